@@ -1,0 +1,702 @@
+# Copyright 2026-present the peft-dora-fast authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""DoRA for PEFT on a factored row norm, with tiered dispatch of the composition.
+
+The row norm ``||W + s·B·A||_row`` is assembled from ``||W||²_row``, the cross term ``<W, B·A>_row`` (through
+``U = W·Aᵀ``, [d_out, r]) and ``||B·A||²_row`` (through the Gram ``G = A·Aᵀ``, [r, r]) – never from a dense
+[d_out, d_in] ``B·A`` or an identity matrix. It runs in fp32 under ``no_grad`` with autocast off, in column chunks
+bounded by ``PEFT_DORA_NORM_CHUNK_MB``. The magnitude division and the composition follow the contract in
+``dora_fused``; this module holds the PEFT-facing layers and variants, the norm, and the dispatch decision.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from copy import deepcopy
+from dataclasses import dataclass
+from functools import wraps
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
+from peft.utils.other import transpose
+
+from . import dora_fused
+from .layer import LoraVariant
+
+
+logger = logging.getLogger(__name__)
+
+ENABLE_DORA_CACHING = False
+"""Cache the weight norm in eval mode (see ``peft.helpers.DoraCaching``); no dense ``B·A`` is ever cached."""
+
+_MB = 1 << 20
+_NORM_CHUNK_MB_RANGE = (16, 65536)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runtime switches: environment variables read once into one immutable snapshot.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _parse_tristate(name: str) -> Optional[bool]:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value in ("1", "true"):
+        return True
+    if value in ("0", "false"):
+        return False
+    raise ValueError(f"{name}={raw!r} is not valid: use 1/true (force on), 0/false (off), or leave it unset (auto)")
+
+
+def _parse_mb(name: str, default: int, low: int, high: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer number of MB") from None
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value} is out of range: it must lie in [{low}, {high}] MB")
+    return value
+
+
+@dataclass(frozen=True)
+class _DoraEnv:
+    fused: Optional[bool]  # PEFT_DORA_FUSED: None = auto (Triton kernels when available)
+    fused_backward: Optional[bool]  # PEFT_DORA_FUSED_BACKWARD: None = auto (above the crossover)
+    norm_chunk_mb: int  # PEFT_DORA_NORM_CHUNK_MB
+    fwd_chunk_mb: int  # PEFT_DORA_FWD_CHUNK_MB
+
+    @classmethod
+    def from_environ(cls) -> "_DoraEnv":
+        return cls(
+            fused=_parse_tristate("PEFT_DORA_FUSED"),
+            fused_backward=_parse_tristate("PEFT_DORA_FUSED_BACKWARD"),
+            norm_chunk_mb=_parse_mb("PEFT_DORA_NORM_CHUNK_MB", 256, *_NORM_CHUNK_MB_RANGE),
+            fwd_chunk_mb=_parse_mb("PEFT_DORA_FWD_CHUNK_MB", 256, 1, 1 << 20),
+        )
+
+
+_env_snapshot: Optional[_DoraEnv] = None
+_env_lock = threading.Lock()
+
+
+def _env() -> _DoraEnv:
+    snapshot = _env_snapshot  # one read of the global: the hot path takes no lock
+    if snapshot is None:
+        snapshot = _load_env()
+    return snapshot
+
+
+def _load_env() -> _DoraEnv:
+    global _env_snapshot
+    with _env_lock:
+        if _env_snapshot is None:
+            _env_snapshot = _DoraEnv.from_environ()
+        return _env_snapshot
+
+
+def _invalidate_fused_cache() -> None:
+    """Forget the cached environment (tests, or after changing ``PEFT_DORA_*`` at run time)."""
+    global _env_snapshot
+    with _env_lock:
+        _env_snapshot = None
+
+
+def _use_fused_kernels() -> bool:
+    """True unless ``PEFT_DORA_FUSED`` is 0/false; the kernels also need Triton and CUDA tensors."""
+    return _env().fused is not False
+
+
+def _use_fused_backward() -> Optional[bool]:
+    """``PEFT_DORA_FUSED_BACKWARD``: True (force), False (off) or None (auto, above the measured crossover)."""
+    return _env().fused_backward
+
+
+def is_triton_available() -> bool:
+    """True if Triton is importable."""
+    return dora_fused.is_triton_available()
+
+
+def set_dora_norm_threshold_mb(mb: int) -> None:
+    """Set the norm's working-set budget (``PEFT_DORA_NORM_CHUNK_MB``), an integer number of MB in [16, 65536]."""
+    low, high = _NORM_CHUNK_MB_RANGE
+    if isinstance(mb, bool) or not isinstance(mb, int):
+        raise ValueError(f"the DoRA norm threshold must be an integer number of MB, got {mb!r}")
+    if not low <= mb <= high:
+        raise ValueError(f"the DoRA norm threshold must lie in [{low}, {high}] MB, got {mb}")
+    os.environ["PEFT_DORA_NORM_CHUNK_MB"] = str(mb)
+    _invalidate_fused_cache()
+
+
+def get_dora_norm_threshold_mb() -> int:
+    """The norm's working-set budget in MB."""
+    return _env().norm_chunk_mb
+
+
+def get_dora_norm_threshold_bytes() -> int:
+    """The norm's working-set budget in bytes."""
+    return _env().norm_chunk_mb * _MB
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Factored row norm.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _eps_for(dtype: torch.dtype) -> float:
+    return 1e-6 if dtype in (torch.float16, torch.bfloat16) else 1e-12
+
+
+def _chunk_columns(d_out: int, r: int, d_in: int, budget_bytes: int) -> int:
+    """Columns per chunk so that the fp32 copies of a chunk of W ([d_out, cs]) and of A ([r, cs]) fit the budget."""
+    cs = budget_bytes // (4 * (d_out + r))
+    cs = max(64, cs - cs % 64)  # multiples of 64 keep the matmul tiles aligned on tensor cores
+    return min(d_in, cs)
+
+
+def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b accumulated and returned in fp32.
+
+    On CUDA, half-precision ``a`` stays in its dtype and runs on the tensor cores with an fp32 output (no fp32 copy
+    of the weight chunk); everywhere else both operands are upcast.
+    """
+    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16):
+        return torch.mm(a, b.to(a.dtype), out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+@torch.no_grad()
+def factored_row_norm(
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scale: float,
+    chunk_bytes: Optional[int] = None,
+) -> torch.Tensor:
+    """``||W + scale·B·A||`` per row of ``W`` in fp32, detached, without forming ``B·A``.
+
+    Args:
+        weight: ``W``, [d_out, d_in], any float dtype and strides (a transposed view is fine).
+        lora_A: ``A``, [r, d_in].
+        lora_B: ``B``, [d_out, r].
+        scale: the LoRA scaling ``s``; with ``s == 0`` the cross and Gram terms are skipped.
+        chunk_bytes: budget for the fp32 chunk copies (default: ``PEFT_DORA_NORM_CHUNK_MB``).
+    """
+    d_out, d_in = weight.shape
+    r = lora_A.shape[0]
+    if lora_A.shape != (r, d_in) or lora_B.shape != (d_out, r):
+        raise ValueError(
+            f"factored norm: shapes do not chain: W {tuple(weight.shape)}, A {tuple(lora_A.shape)}, "
+            f"B {tuple(lora_B.shape)} (expected A [r, {d_in}] and B [{d_out}, r])"
+        )
+    budget = get_dora_norm_threshold_bytes() if chunk_bytes is None else chunk_bytes
+    cs = _chunk_columns(d_out, r, d_in, budget)
+    scale = float(scale)
+    device = weight.device
+    with torch.autocast(device_type=device.type, enabled=False):
+        w_sq = torch.zeros(d_out, device=device, dtype=torch.float32)
+        if scale == 0.0:
+            for c in range(0, d_in, cs):
+                w_sq += torch.linalg.vector_norm(weight[:, c : c + cs], dim=1, dtype=torch.float32).square()
+            return w_sq.sqrt()
+        cross = torch.zeros(d_out, device=device, dtype=torch.float32)
+        gram = torch.zeros(r, r, device=device, dtype=torch.float32)
+        b32 = lora_B.to(device=device, dtype=torch.float32)
+        for c in range(0, d_in, cs):
+            w_c = weight[:, c : c + cs]
+            a_c = lora_A[:, c : c + cs].to(device=device, dtype=torch.float32)
+            w_sq += torch.linalg.vector_norm(w_c, dim=1, dtype=torch.float32).square()
+            gram += a_c @ a_c.T
+            cross += (b32 * _matmul_fp32(w_c, a_c.T)).sum(dim=1)
+        ba_sq = ((b32 @ gram) * b32).sum(dim=1)
+        (w_norm,) = dora_fused.fused_norm_assembly(w_sq, cross, ba_sq, scale)
+    return w_norm
+
+
+@torch.no_grad()
+def factored_conv_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per-output-channel norm of ``W + s·ΔW`` for a conv weight, [d_out] fp32.
+
+    ``ΔW`` is upstream's ``(B.view(-1, r) @ A.view(r, -1)).reshape(W.shape)``. With ``groups`` > 1 (B has
+    ``r / groups`` input channels) row ``j`` of that reshaped product is row ``j // groups`` of ``B.view(-1, r)``
+    times column block ``j % groups`` of ``A.view(r, -1)``, so each block is its own factored norm.
+    """
+    d_out = weight.shape[0]
+    r = lora_A.shape[0]
+    w2 = weight.reshape(d_out, -1)
+    b2 = lora_B.reshape(-1, r)
+    a2 = lora_A.reshape(r, -1)
+    groups = d_out // b2.shape[0]
+    if groups == 1:
+        return factored_row_norm(w2, a2, b2, scale)
+    width = w2.shape[1]
+    norm = torch.empty(d_out, device=weight.device, dtype=torch.float32)
+    for q in range(groups):
+        norm[q::groups] = factored_row_norm(w2[q::groups], a2[:, q * width : (q + 1) * width], b2, scale)
+    return norm
+
+
+def _magnitude_scale(magnitude: torch.Tensor, weight_norm: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+    """g = m / max(w_norm, eps) in fp32 (or wider), differentiable in m; eps depends on the weight's dtype."""
+    return magnitude / weight_norm.clamp_min(_eps_for(weight_dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Composition dispatch.
+# ---------------------------------------------------------------------------------------------------------------
+
+TIER_FUSED_BACKWARD = "fused_backward"
+TIER_FUSED_FORWARD = "fused_forward"
+TIER_EAGER = "eager"
+
+tier_counts: collections.Counter = collections.Counter()
+"""How often each tier composed a DoRA output since import (or since ``tier_counts.clear()``)."""
+
+
+def _select_tier(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> str:
+    env = _env()
+    if env.fused is False:
+        return TIER_EAGER
+    if not dora_fused.kernels_available(lora):
+        if env.fused is True:
+            raise RuntimeError(
+                "PEFT_DORA_FUSED=1 forces the fused DoRA kernels, but they cannot run here: they need Triton and "
+                f"CUDA tensors (got {lora.device} tensors; Triton importable: {is_triton_available()}). "
+                "Unset PEFT_DORA_FUSED for automatic selection or set it to 0 for the eager path."
+            )
+        return TIER_EAGER
+    if not dora_fused.kernels_support(lora, base, g):
+        return TIER_EAGER
+    if torch.is_grad_enabled() and (lora.requires_grad or base.requires_grad or g.requires_grad):
+        if env.fused_backward is False:
+            return TIER_EAGER
+        if env.fused_backward is None and not dora_fused.above_backward_crossover(lora):
+            return TIER_EAGER
+        return TIER_FUSED_BACKWARD
+    return TIER_FUSED_FORWARD
+
+
+def _compose_with_dispatch(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor, scale: float) -> torch.Tensor:
+    """The DoRA delta ``(g - 1)·base + g·(s·lora)`` by the tier that fits; ``lora`` must be a fresh tensor."""
+    tier = _select_tier(lora, base, g)
+    tier_counts[tier] += 1
+    if tier == TIER_FUSED_BACKWARD:
+        return dora_fused.fused_dora_compose_autograd(lora, base, g, scale)
+    if tier == TIER_FUSED_FORWARD:
+        return dora_fused.fused_dora_compose(lora, base, g, scale, inplace=True)
+    # Eager: in place only when autograd records nothing, so no saved tensor is overwritten.
+    inplace = not (torch.is_grad_enabled() and (lora.requires_grad or base.requires_grad or g.requires_grad))
+    return dora_fused._compose_torch(lora, base, g, scale, inplace=inplace)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layers: hold the magnitude vector of one adapter and compute its DoRA contribution.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def cache_decorator(cache_key: str):
+    """Cache a layer method's result per adapter while ``ENABLE_DORA_CACHING`` is on and the layer is in eval mode."""
+
+    def cache_value(func):
+        @wraps(func)
+        def wrapper(self, *args, **kwargs):
+            adapter_name = kwargs.get("adapter_name")
+            if (not ENABLE_DORA_CACHING) or self.training or (adapter_name is None):
+                self._cache_clear()
+                return func(self, *args, **kwargs)
+            key = f"{cache_key}-{adapter_name}"
+            output = self._cache_get(key, None)
+            if output is None:
+                output = func(self, *args, **kwargs)
+                self._cache_store(key, output)
+            return output
+
+        return wrapper
+
+    return cache_value
+
+
+class DoraLinearLayer(nn.Module):
+    """Magnitude vector and DoRA contribution of one adapter on a Linear (or GPT-2 ``Conv1D``) layer."""
+
+    def __init__(self, fan_in_fan_out):
+        super().__init__()
+        self.fan_in_fan_out = fan_in_fan_out
+        self._dora_cache: dict[str, Any] = {}  # not part of the state_dict
+
+    def _cache_store(self, key: str, value: Any) -> None:
+        self._dora_cache[key] = value
+
+    def _cache_get(self, key: str, default: Optional[Any]) -> Optional[Any]:
+        return self._dora_cache.get(key, default)
+
+    def _cache_clear(self) -> None:
+        self._dora_cache.clear()
+
+    def train(self, mode: bool = True):
+        if mode:
+            self._cache_clear()
+        super().train(mode=mode)
+        return self
+
+    @cache_decorator("weight-norm")
+    def get_weight_norm(
+        self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None
+    ) -> torch.Tensor:
+        """Detached fp32 norm of ``weight + scaling·lora_B·lora_A`` per output row (weight as stored by the layer)."""
+        return factored_row_norm(transpose(weight, self.fan_in_fan_out), lora_A, lora_B, scaling)
+
+    def update_layer(self, *, base_layer, lora_A, lora_B, scaling, place_on_cpu=False) -> None:
+        """Create the magnitude vector: the row norm of the adapted weight, ``||W + s·B·A||_row``."""
+        with gather_params_ctx(base_layer.parameters()):
+            if base_layer.__class__.__name__ == "Linear4bit":
+                # FSDP rejects dequantizing the live module; 8-bit params cannot be deep-copied.
+                base_layer = deepcopy(base_layer)
+            weight = dequantize_module_weight(base_layer).to(lora_A.device)
+            weight_norm = self.get_weight_norm(weight, lora_A, lora_B, scaling)
+        # Same dtype as upstream's magnitude, so checkpoints interchange: the promoted weight/adapter dtype.
+        weight_norm = weight_norm.to(torch.promote_types(weight.dtype, lora_A.dtype))
+        if place_on_cpu:
+            weight_norm = weight_norm.to("cpu")
+        self.weight = nn.Parameter(weight_norm, requires_grad=True)
+
+    def _base_chunks(self, x, weight, lora_result, g, scaling) -> torch.Tensor:
+        """Dropout path: ``base = W·dropout(x)`` computed and composed in output slices of PEFT_DORA_FWD_CHUNK_MB."""
+        weight = transpose(weight, self.fan_in_fan_out).to(x.dtype)
+        d_out = weight.shape[0]
+        row_bytes = max(1, lora_result.numel() // max(d_out, 1)) * lora_result.element_size()
+        step = max(1, (_env().fwd_chunk_mb * _MB) // row_bytes)
+        if step >= d_out:
+            return _compose_with_dispatch(lora_result, F.linear(x, weight), g, scaling)
+        parts = [
+            _compose_with_dispatch(lora_result[..., c : c + step], F.linear(x, weight[c : c + step]), g[c : c + step],
+                                   scaling)
+            for c in range(0, d_out, step)
+        ]
+        return torch.cat(parts, dim=-1)
+
+    def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, adapter_name="default"):
+        """The DoRA delta to add to the base layer's output: ``(g - 1)·base + g·(s·lora)``."""
+        weight = dequantize_module_weight(base_layer)
+        weight_norm = self.get_weight_norm(weight, lora_A.weight, lora_B.weight, scaling, adapter_name=adapter_name)
+        # The norm is a constant for autograd (DoRA paper, section 4.3); only the magnitude gets a gradient.
+        g = _magnitude_scale(self.weight, weight_norm, weight.dtype)
+        lora_result = lora_B(lora_A(x))
+        if base_result is None:
+            return self._base_chunks(x, weight, lora_result, g, scaling)
+        bias = base_layer.bias
+        if bias is not None:
+            base_result = base_result - bias
+        return _compose_with_dispatch(lora_result, base_result, g, scaling)
+
+    def __repr__(self) -> str:
+        return "lora.dora." + super().__repr__()
+
+
+class DoraEmbeddingLayer(DoraLinearLayer):
+    """Magnitude vector of one adapter on an Embedding: one entry per embedding dimension (column of the table)."""
+
+    @cache_decorator("weight-norm")
+    def get_weight_norm(
+        self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None
+    ) -> torch.Tensor:
+        """Norm of each column of ``weight + scaling·(lora_B·lora_A)ᵀ``, with ``lora_A`` [r, num_embeddings] and
+        ``lora_B`` [embedding_dim, r] as stored in ``lora_embedding_A/B``; factored like the Linear case."""
+        return factored_row_norm(weight.T, lora_A, lora_B, scaling)
+
+    def forward(self, x, *, lora_A, lora_B, scaling, base_layer, embed_fn, adapter_name="default"):
+        """Return ``(g, lora)``: the [embedding_dim] scale and the unscaled LoRA output ``embed(x, A) @ B``.
+
+        ``lora_A``/``lora_B`` are the transposed embedding factors as the Embedding layer passes them.
+        """
+        weight_norm = self.get_weight_norm(
+            base_layer.weight, lora_A.T, lora_B.T, scaling, adapter_name=adapter_name
+        )
+        g = _magnitude_scale(self.weight, weight_norm, base_layer.weight.dtype)
+        return g, embed_fn(x, lora_A) @ lora_B
+
+
+class _DoraConvNdLayer(DoraLinearLayer):
+    """Magnitude of one adapter on a ConvNd layer, shaped [1, out_channels, 1, ...] as in upstream checkpoints."""
+
+    @cache_decorator("weight-norm")
+    def get_weight_norm(
+        self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None
+    ) -> torch.Tensor:
+        """Per-output-channel norm of the adapted conv weight, shaped [1, out_channels, 1, ...]."""
+        norm = factored_conv_norm(weight, lora_A, lora_B, scaling)
+        return norm.view((1, -1) + (1,) * (weight.dim() - 2))
+
+    def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, adapter_name: str = "default"):
+        """The DoRA delta to add to the base conv output."""
+        weight = base_layer.weight
+        weight_norm = self.get_weight_norm(weight, lora_A.weight, lora_B.weight, scaling, adapter_name=adapter_name)
+        g = _magnitude_scale(self.weight, weight_norm, weight.dtype)
+        if base_result is None:
+            base_result = self.conv_fn(
+                x,
+                weight,
+                bias=None,
+                stride=base_layer.stride,
+                padding=base_layer.padding,
+                dilation=base_layer.dilation,
+                groups=base_layer.groups,
+            )
+        elif base_layer.bias is not None:
+            base_result = base_result - base_layer.bias.view((1, -1) + (1,) * (base_result.dim() - 2))
+        return _compose_with_dispatch(lora_B(lora_A(x)), base_result, g, scaling)
+
+
+class DoraConv1dLayer(_DoraConvNdLayer):
+    def __init__(self, fan_in_fan_out):
+        super().__init__(fan_in_fan_out)
+        self.conv_fn = F.conv1d
+
+
+class DoraConv2dLayer(_DoraConvNdLayer):
+    def __init__(self, fan_in_fan_out):
+        super().__init__(fan_in_fan_out)
+        self.conv_fn = F.conv2d
+
+
+class DoraConv3dLayer(_DoraConvNdLayer):
+    def __init__(self, fan_in_fan_out):
+        super().__init__(fan_in_fan_out)
+        self.conv_fn = F.conv3d
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Variants: the hooks upstream's LoRA layers call (routed here by the glue in variants.py).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _register_magnitude(module) -> None:
+    if not module.lora_magnitude_vector:
+        # the first DoRA adapter on this layer: the magnitudes become trainable adapter weights
+        module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)
+
+
+def _merge_factor(module, active_adapter: str, weight_norm: torch.Tensor, view_shape) -> torch.Tensor:
+    magnitude = module.lora_magnitude_vector[active_adapter].weight.reshape(-1)
+    weight_dtype = module.get_base_layer().weight.dtype
+    return _magnitude_scale(magnitude, weight_norm.reshape(-1), weight_dtype).reshape(view_shape)
+
+
+class _DoraVariantBase(LoraVariant):
+    """merge/unmerge shared by all DoRA variants; subclasses say how to take the norm and shape the factor.
+
+    The norm is taken on the base weight with earlier merged adapters taken out (``_unmerged_base_weight``), as
+    ``forward`` sees it, and cached on the module so ``unmerge`` divides by exactly the factor ``merge`` applied.
+    """
+
+    @staticmethod
+    def _merge_norm(module, active_adapter: str, base_weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def _factor_view(module, orig_weight: torch.Tensor) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    @classmethod
+    def _merge_parts(cls, module, active_adapter, orig_weight, safe_merge: bool):
+        """(delta, factor) for merging: the factor is m / norm of the unmerged base weight plus this adapter."""
+        delta_weight = module.get_delta_weight(active_adapter)
+        with module._unmerged_base_weight(safe_merge=safe_merge) as base_weight:
+            weight_norm = cls._merge_norm(module, active_adapter, base_weight)
+        module._cache_store(f"{active_adapter}-weight_norm", weight_norm)
+        factor = _merge_factor(module, active_adapter, weight_norm, cls._factor_view(module, orig_weight))
+        return delta_weight, factor
+
+    @classmethod
+    def merge_safe(cls, module, active_adapter: str, orig_weight: torch.Tensor) -> torch.Tensor:
+        delta_weight, factor = cls._merge_parts(module, active_adapter, orig_weight, safe_merge=True)
+        # `merge` copied the weight before `_unmerged_base_weight` rebuilt it; in low precision the rebuilt weight
+        # differs from that copy, so merge onto the rebuilt one.
+        rebuilt = dequantize_module_weight(module.get_base_layer())
+        return (factor * (rebuilt + delta_weight)).to(orig_weight.dtype)
+
+    @classmethod
+    def merge_unsafe(cls, module, active_adapter: str, orig_weight: torch.Tensor) -> None:
+        delta_weight, factor = cls._merge_parts(module, active_adapter, orig_weight, safe_merge=False)
+        orig_weight.data = (factor * (orig_weight.data + delta_weight)).to(orig_weight.dtype)
+
+    @classmethod
+    def unmerge(cls, module, active_adapter: str, orig_weight: torch.Tensor) -> torch.Tensor:
+        delta_weight = module.get_delta_weight(active_adapter)
+        weight_norm = module._cache_pop(f"{active_adapter}-weight_norm")
+        factor = _merge_factor(module, active_adapter, weight_norm, cls._factor_view(module, orig_weight))
+        return (orig_weight.data / factor - delta_weight).to(orig_weight.dtype)
+
+
+class DoraLinearVariant(_DoraVariantBase):
+    @staticmethod
+    def init(module, adapter_name: str, **kwargs: Any) -> None:
+        _register_magnitude(module)
+        dora_layer = DoraLinearLayer(fan_in_fan_out=getattr(module, "fan_in_fan_out", False))
+        lora_A = module.lora_A[adapter_name].weight
+        lora_B = module.lora_B[adapter_name].weight
+        place_on_cpu = module.ephemeral_gpu_offload and (lora_A.device.type == "cpu" or lora_B.device.type == "cpu")
+        if module.ephemeral_gpu_offload:
+            # compute the initial norm on the accelerator, then keep the magnitude where the adapter lives
+            accel = _accelerator_of(lora_A, lora_B)
+            lora_A, lora_B = lora_A.to(accel), lora_B.to(accel)
+        dora_layer.update_layer(
+            base_layer=module.get_base_layer(),
+            lora_A=lora_A,
+            lora_B=lora_B,
+            scaling=module.scaling[adapter_name],
+            place_on_cpu=place_on_cpu,
+        )
+        module.lora_magnitude_vector[adapter_name] = dora_layer
+
+    @staticmethod
+    def _merge_norm(module, active_adapter, base_weight):
+        return factored_row_norm(
+            transpose(base_weight, module.fan_in_fan_out),
+            module.lora_A[active_adapter].weight,
+            module.lora_B[active_adapter].weight,
+            module.scaling[active_adapter],
+        )
+
+    @staticmethod
+    def _factor_view(module, orig_weight):
+        return (1, -1) if module.fan_in_fan_out else (-1, 1)
+
+    @staticmethod
+    def forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
+        dropout = module.lora_dropout[active_adapter]
+        if isinstance(dropout, nn.Identity) or not module.training:
+            base_result = result
+        else:
+            x = dropout(x)
+            base_result = None
+        delta = module.lora_magnitude_vector[active_adapter](
+            x,
+            lora_A=module.lora_A[active_adapter],
+            lora_B=module.lora_B[active_adapter],
+            scaling=module.scaling[active_adapter],
+            base_layer=module.get_base_layer(),
+            base_result=base_result,
+            adapter_name=active_adapter,
+        )
+        return result + delta
+
+
+def _accelerator_of(lora_A: torch.Tensor, lora_B: torch.Tensor) -> torch.device:
+    for t in (lora_A, lora_B):
+        if t.device.type in ("cuda", "xpu"):
+            return t.device
+    return torch.device("xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cuda")
+
+
+class DoraEmbeddingVariant(_DoraVariantBase):
+    @staticmethod
+    def init(module, adapter_name: str, **kwargs: Any) -> None:
+        _register_magnitude(module)
+        dora_layer = DoraEmbeddingLayer(fan_in_fan_out=True)
+        dora_layer.update_layer(
+            base_layer=module.get_base_layer(),
+            lora_A=module.lora_embedding_A[adapter_name],
+            lora_B=module.lora_embedding_B[adapter_name],
+            scaling=module.scaling[adapter_name],
+        )
+        module.lora_magnitude_vector[adapter_name] = dora_layer
+
+    @staticmethod
+    def _merge_norm(module, active_adapter, base_weight):
+        return factored_row_norm(
+            base_weight.T,
+            module.lora_embedding_A[active_adapter],
+            module.lora_embedding_B[active_adapter],
+            module.scaling[active_adapter],
+        )
+
+    @staticmethod
+    def _factor_view(module, orig_weight):
+        return (1, -1)
+
+    @staticmethod
+    def forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
+        g, lora = module.lora_magnitude_vector[active_adapter](
+            x,
+            lora_A=module.lora_embedding_A[active_adapter].T,
+            lora_B=module.lora_embedding_B[active_adapter].T,
+            scaling=module.scaling[active_adapter],
+            base_layer=module.get_base_layer(),
+            embed_fn=module._embed,
+            adapter_name=active_adapter,
+        )
+        # Scaled embeddings (e.g. Gemma's) scale the base output inside the layer; the LoRA path needs the same.
+        embed_scale = module._get_embed_scale()
+        if embed_scale is not None:
+            lora = lora * embed_scale.to(lora.dtype)
+        # g·result + g·s·lora, in the stable form with `result` as the base.
+        return result + _compose_with_dispatch(lora, result, g, module.scaling[active_adapter])
+
+
+class _DoraConvNdVariant(_DoraVariantBase):
+    @staticmethod
+    def init_convd_variant(module, adapter_name: str, dora_layer: nn.Module) -> None:
+        _register_magnitude(module)
+        dora_layer.update_layer(
+            base_layer=module.get_base_layer(),
+            lora_A=module.lora_A[adapter_name].weight,
+            lora_B=module.lora_B[adapter_name].weight,
+            scaling=module.scaling[adapter_name],
+        )
+        module.lora_magnitude_vector[adapter_name] = dora_layer
+
+    @staticmethod
+    def _merge_norm(module, active_adapter, base_weight):
+        return factored_conv_norm(
+            base_weight,
+            module.lora_A[active_adapter].weight,
+            module.lora_B[active_adapter].weight,
+            module.scaling[active_adapter],
+        )
+
+    @staticmethod
+    def _factor_view(module, orig_weight):
+        return module._get_dora_factor_view()
+
+    forward = staticmethod(DoraLinearVariant.forward)
+
+
+class DoraConv1dVariant(_DoraConvNdVariant):
+    @staticmethod
+    def init(module, adapter_name: str, config=None, **kwargs: Any) -> None:
+        _DoraConvNdVariant.init_convd_variant(module, adapter_name, dora_layer=DoraConv1dLayer(fan_in_fan_out=False))
+
+
+class DoraConv2dVariant(_DoraConvNdVariant):
+    @staticmethod
+    def init(module, adapter_name: str, config=None, **kwargs: Any) -> None:
+        _DoraConvNdVariant.init_convd_variant(module, adapter_name, dora_layer=DoraConv2dLayer(fan_in_fan_out=False))
+
+
+class DoraConv3dVariant(_DoraConvNdVariant):
+    @staticmethod
+    def init(module, adapter_name: str, config=None, **kwargs: Any) -> None:
+        _DoraConvNdVariant.init_convd_variant(module, adapter_name, dora_layer=DoraConv3dLayer(fan_in_fan_out=False))

@@ -1,0 +1,77 @@
+"""Shared test helpers: upstream PEFT's own DoRA as an in-process oracle, and the tolerance table.
+
+The oracle loads upstream's original ``dora.py`` and ``variants.py`` from the pinned wheel as private modules of the
+installed package (everything else in upstream and ours is the same code), then swaps them into a copy of a model:
+same weights, upstream's DoRA math.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+import zipfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from tools import upstream  # noqa: E402
+
+
+# One tolerance table for every comparison: (atol, rtol) per dtype. Half precisions are judged against the error
+# the same-dtype computation makes anyway; the numbers are a few ulps of the output scale.
+TOL = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (3e-2, 3e-2),
+    torch.float16: (4e-3, 4e-3),
+}
+
+
+def assert_close(actual, expected, dtype=None, scale=1.0):
+    atol, rtol = TOL[dtype or expected.dtype]
+    torch.testing.assert_close(actual, expected, atol=atol * scale, rtol=rtol * scale, check_dtype=False)
+
+
+_ORACLE = {}
+
+
+def upstream_modules():
+    """(upstream dora module, upstream variants module), loaded from the pinned wheel once."""
+    if _ORACLE:
+        return _ORACLE["dora"], _ORACLE["variants"]
+    with zipfile.ZipFile(upstream.wheel()) as zf:
+        dora_src = zf.read("peft/tuners/lora/dora.py").decode()
+        variants_src = zf.read("peft/tuners/lora/variants.py").decode()
+    variants_src = variants_src.replace("from .dora import", "from ._upstream_dora import")
+    for name, src in (("_upstream_dora", dora_src), ("_upstream_variants", variants_src)):
+        full = f"peft.tuners.lora.{name}"
+        spec = importlib.util.spec_from_loader(full, loader=None)
+        mod = importlib.util.module_from_spec(spec)
+        mod.__package__ = "peft.tuners.lora"
+        sys.modules[full] = mod
+        exec(compile(src, f"<upstream {name}>", "exec"), mod.__dict__)
+        _ORACLE[name.removeprefix("_upstream_")] = mod
+    return _ORACLE["dora"], _ORACLE["variants"]
+
+
+def to_upstream(model: nn.Module) -> nn.Module:
+    """A deep copy of a PEFT model whose DoRA variants and magnitude layers are upstream's, same weights."""
+    up_dora, up_variants = upstream_modules()
+    clone = copy.deepcopy(model)
+    for module in clone.modules():
+        variants = getattr(module, "lora_variant", None)
+        if not variants:
+            continue
+        for name, variant in list(variants.items()):
+            variants[name] = getattr(up_variants, type(variant).__name__)()
+            ours = module.lora_magnitude_vector[name]
+            theirs = getattr(up_dora, type(ours).__name__)(fan_in_fan_out=ours.fan_in_fan_out)
+            theirs.weight = nn.Parameter(ours.weight.detach().clone(), requires_grad=ours.weight.requires_grad)
+            theirs.train(ours.training)
+            module.lora_magnitude_vector[name] = theirs
+    return clone

@@ -1,0 +1,72 @@
+"""Turn upstream PEFT into ours: copy upstream's package, drop in our two DoRA files, add the glue.
+
+Used by `setup.py` (on the pinned wheel) and by `tools/make_hf_patch.py` (on the pinned sdist), so the wheel we
+build and the `hf.patch` we publish carry exactly the same change.
+"""
+
+from __future__ import annotations
+
+import shutil
+import zipfile
+from pathlib import Path
+
+from . import upstream
+
+
+OVERLAY_FILES = ("tuners/lora/dora.py", "tuners/lora/dora_fused.py")
+GLUE_FILE = "tuners/lora/variants.py"
+# Upstream resolves every DoRA variant through `variants.Dora*Variant` at call time (layer.py, bnb.py, gptq.py,
+# hqq.py), so rebinding those names at the end of variants.py routes all of DoRA to our dora.py.
+GLUE = """
+
+# peft-dora-fast: DoRA runs on the factored norm and fused kernels of dora.py; route every variant lookup there.
+from .dora import (  # noqa: E402, F401, F811
+    DoraConv1dVariant,
+    DoraConv2dVariant,
+    DoraConv3dVariant,
+    DoraEmbeddingVariant,
+    DoraLinearVariant,
+)
+"""
+GLUE_ANCHORS = ("from .dora import ", "class DoraLinearVariant(", "class DoraEmbeddingVariant(",
+                "class DoraConv1dVariant(", "class DoraConv2dVariant(", "class DoraConv3dVariant(")
+
+
+def apply_overlay(pkg_dir: Path, ours: Path = upstream.REPO_ROOT / "peft") -> None:
+    """Overlay our files and the glue onto an upstream `peft` package directory, in place."""
+    for rel in OVERLAY_FILES:
+        shutil.copyfile(ours / rel, pkg_dir / rel)
+    variants = pkg_dir / GLUE_FILE
+    text = variants.read_text()
+    missing = [a for a in GLUE_ANCHORS if a not in text]
+    if missing:
+        raise RuntimeError(f"{variants} is not upstream PEFT {upstream.UPSTREAM_VERSION}'s: missing {missing}")
+    if GLUE.strip() not in text:
+        variants.write_text(text.rstrip("\n") + "\n" + GLUE)
+
+
+def unpack_wheel(wheel: Path, dest: Path) -> Path:
+    """Extract the `peft` package (not its dist-info) of the upstream wheel into `dest`; return the package dir."""
+    with zipfile.ZipFile(wheel) as zf:
+        members = [m for m in zf.namelist() if m.startswith("peft/")]
+        zf.extractall(dest, members)
+    return dest / "peft"
+
+
+def build_tree(dest: Path) -> Path:
+    """Fresh overlaid package in `dest/peft` from the pinned upstream wheel."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    pkg = unpack_wheel(upstream.wheel(), dest)
+    apply_overlay(pkg)
+    return pkg
+
+
+def upstream_requirements(wheel: Path) -> list[str]:
+    """Upstream's runtime requirements (no extras), read from the wheel's METADATA."""
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = zf.read(meta).decode().splitlines()
+    reqs = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Requires-Dist:")]
+    return [r for r in reqs if "extra ==" not in r]
