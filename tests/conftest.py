@@ -1,0 +1,9 @@
+import os
+import sys
+from pathlib import Path
+
+# `dora_testing` (the upstream oracle and the tolerance table) lives beside this file.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Unit tests must see the defaults, whatever the developer's shell exports.
+for _name in ("PEFT_DORA_FUSED", "PEFT_DORA_FUSED_BACKWARD", "PEFT_DORA_NORM_CHUNK_MB", "PEFT_DORA_FWD_CHUNK_MB"):
+    os.environ.pop(_name, None)
