@@ -1,0 +1,187 @@
+"""Module-level DoRA behaviour beyond a single forward: merging, several adapters, mixed batches, caching, state."""
+
+import warnings
+
+import pytest
+import torch
+from dora_testing import assert_close, to_upstream
+from test_dora_parity import build, inputs_for, run
+from torch import nn
+
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft.helpers import DoraCaching
+from peft.tuners.lora import dora
+
+
+MERGEABLE = ["linear", "gpt2_conv1d", "embedding", "scaled_embedding", "conv2d", "conv3d"]
+
+
+def add_second_adapter(model, kind):
+    targets = {"linear": ["lin0", "lin1"], "gpt2_conv1d": ["c_fc"], "embedding": ["emb", "lin"],
+               "scaled_embedding": ["emb"], "conv2d": ["conv0", "conv1"], "conv3d": ["conv0"]}[kind]
+    config = LoraConfig(target_modules=targets, use_dora=True, init_lora_weights=False, r=3, lora_alpha=5,
+                        fan_in_fan_out=kind == "gpt2_conv1d")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.add_adapter("other", config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector.other" in name:
+                p.mul_(1 + 0.1 * torch.rand_like(p))
+
+
+@pytest.mark.parametrize("kind", MERGEABLE)
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_merge_unmerge_matches_forward_and_upstream(kind, safe_merge):
+    model = build(kind, bias=True, dropout=0.0).eval()
+    theirs = to_upstream(model).eval()
+    x = inputs_for(model, kind, torch.float32)
+    with torch.no_grad():
+        expected = model(*x)
+        model.base_model.merge_adapter(safe_merge=safe_merge)
+        theirs.base_model.merge_adapter(safe_merge=safe_merge)
+        merged = model(*x)
+        for (name, p), (_, q) in zip(model.named_parameters(), theirs.named_parameters()):
+            if "base_layer.weight" in name:
+                assert_close(p, q)
+        model.base_model.unmerge_adapter()
+        unmerged = model(*x)
+    assert_close(merged, expected, scale=10)
+    assert_close(unmerged, expected, scale=10)
+
+
+@pytest.mark.parametrize("kind", MERGEABLE)
+def test_two_active_adapters_match_upstream(kind):
+    model = build(kind, bias=True, dropout=0.0)
+    add_second_adapter(model, kind)
+    model.base_model.set_adapter(["default", "other"])
+    theirs = to_upstream(model)
+    x = inputs_for(model, kind, torch.float32)
+    out_o, grads_o = run(model, x)
+    out_u, grads_u = run(theirs, x)
+    assert_close(out_o, out_u)
+    assert any(".other." in n for n in grads_o)
+    for name in grads_o:
+        assert_close(grads_o[name], grads_u[name], dtype=torch.float32, scale=10)
+
+
+@pytest.mark.parametrize("kind", MERGEABLE)
+def test_merging_two_adapters_matches_upstream(kind):
+    model = build(kind, bias=True, dropout=0.0).eval()
+    add_second_adapter(model, kind)
+    theirs = to_upstream(model).eval()
+    x = inputs_for(model, kind, torch.float32)
+    with torch.no_grad():
+        model.base_model.set_adapter(["default", "other"])
+        theirs.base_model.set_adapter(["default", "other"])
+        expected = model(*x)
+        merged_o = model.merge_and_unload(adapter_names=["default", "other"])
+        merged_u = theirs.merge_and_unload(adapter_names=["default", "other"])
+        assert_close(merged_o(*x), merged_u(*x), scale=10)
+        assert_close(merged_o(*x), expected, scale=10)
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding", "conv2d"])
+def test_mixed_adapter_batch_is_refused_like_upstream(kind):
+    # Upstream 0.21.2 refuses `adapter_names` with DoRA adapters; a base-only batch still runs.
+    model = build(kind, bias=True, dropout=0.0).eval()
+    theirs = to_upstream(model).eval()
+    x = inputs_for(model, kind, torch.float32)
+    n = x[0].shape[0]
+    with torch.no_grad():
+        got = model(*x, adapter_names=["__base__"] * n)
+        with model.disable_adapter():
+            want = model(*x)
+    assert_close(got, want, scale=0)
+    for m in (model, theirs):
+        with pytest.raises(ValueError, match="Cannot pass `adapter_names` when DoRA is enabled"):
+            m(*x, adapter_names=["default"] * n)
+
+
+def caches(model):
+    return [m._dora_cache for m in model.modules() if isinstance(m, dora.DoraLinearLayer)]
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding", "conv2d"])
+def test_dora_caching(kind):
+    model = build(kind, bias=True, dropout=0.0)
+    x = inputs_for(model, kind, torch.float32)
+    model.eval()
+    with torch.no_grad():
+        expected = model(*x)
+        assert caches(model) and not any(caches(model))
+        with DoraCaching():
+            first = model(*x)
+            assert all(caches(model))
+            # the cache holds a [d_out]-sized norm per adapter, never a dense weight-sized tensor
+            for cache in caches(model):
+                for value in cache.values():
+                    assert value.numel() == value.shape[1] if value.dim() == 4 else value.dim() == 1
+            second = model(*x)
+        assert_close(first, expected, scale=0)
+        assert_close(second, expected, scale=0)
+        model(*x)
+        assert not any(caches(model))
+        model.train()
+        with DoraCaching():
+            model(*x)
+            assert not any(caches(model))
+
+
+def test_state_dict_keys_and_shapes_match_upstream():
+    for kind in ["linear", "gpt2_conv1d", "embedding", "conv2d", "conv1d", "conv3d"]:
+        model = build(kind, bias=True, dropout=0.0)
+        theirs = to_upstream(model)
+        sd_o, sd_u = get_peft_model_state_dict(model), get_peft_model_state_dict(theirs)
+        assert sd_o.keys() == sd_u.keys()
+        assert any("lora_magnitude_vector" in k for k in sd_o)
+        for k in sd_o:
+            assert sd_o[k].shape == sd_u[k].shape and sd_o[k].dtype == sd_u[k].dtype, k
+
+
+def test_magnitude_init_matches_upstream_init():
+    # Built by upstream's own update_layer on the same weights: same initial magnitude.
+    from dora_testing import upstream_modules
+
+    up_dora, _ = upstream_modules()
+    torch.manual_seed(0)
+    base = nn.Linear(33, 21)
+    lora_A, lora_B = torch.randn(5, 33), torch.randn(21, 5) * 0.1
+    ours, theirs = dora.DoraLinearLayer(False), up_dora.DoraLinearLayer(False)
+    ours.update_layer(base_layer=base, lora_A=lora_A, lora_B=lora_B, scaling=0.8)
+    theirs.update_layer(base_layer=base, lora_A=lora_A, lora_B=lora_B, scaling=0.8)
+    assert ours.weight.shape == theirs.weight.shape and ours.weight.dtype == theirs.weight.dtype
+    assert_close(ours.weight, theirs.weight)
+
+
+class FakeQuantLinear(nn.Module):
+    """A base layer that only exposes its weight through dequantize(), like HQQ's (detected by `W_q`)."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.W_q = linear.weight.detach().clone().to(torch.bfloat16)  # pretend-quantized storage
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def dequantize(self):
+        return self.W_q.float()
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.dequantize(), self.bias)
+
+
+def test_dequantized_base_weight_is_used():
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 12)
+    quant = FakeQuantLinear(linear)
+    layer = dora.DoraLinearLayer(fan_in_fan_out=False)
+    lora_A, lora_B = nn.Linear(16, 4, bias=False), nn.Linear(4, 12, bias=False)
+    nn.init.normal_(lora_B.weight, std=0.1)
+    layer.update_layer(base_layer=quant, lora_A=lora_A.weight, lora_B=lora_B.weight, scaling=0.5)
+    w = quant.dequantize().double()
+    expected_norm = torch.linalg.vector_norm(w + 0.5 * lora_B.weight.double() @ lora_A.weight.double(), dim=1)
+    torch.testing.assert_close(layer.weight.double(), expected_norm, rtol=2e-6, atol=0)
+    x = torch.randn(3, 16)
+    delta = layer(x, lora_A=lora_A, lora_B=lora_B, scaling=0.5, base_layer=quant, base_result=quant(x))
+    ref = 0.5 * lora_B(lora_A(x))  # g == 1 right after init: the delta is plain LoRA
+    assert_close(delta, ref)
