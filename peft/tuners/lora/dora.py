@@ -298,10 +298,16 @@ def _select_tier(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> str
     return TIER_FUSED_FORWARD
 
 
-def _compose_with_dispatch(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor, scale: float) -> torch.Tensor:
-    """The DoRA delta ``(g - 1)·base + g·(s·lora)`` by the tier that fits; ``lora`` must be a fresh tensor."""
+def _compose_with_dispatch(
+    lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor, scale: float, layer: nn.Module
+) -> torch.Tensor:
+    """The DoRA delta ``(g - 1)·base + g·(s·lora)`` by the tier that fits; ``lora`` must be a fresh tensor.
+
+    The tier is counted in ``tier_counts`` and kept as ``layer.last_tier``.
+    """
     tier = _select_tier(lora, base, g)
     tier_counts[tier] += 1
+    layer.last_tier = tier
     if tier == TIER_FUSED_BACKWARD:
         return dora_fused.fused_dora_compose_autograd(lora, base, g, scale)
     if tier == TIER_FUSED_FORWARD:
@@ -345,6 +351,7 @@ class DoraLinearLayer(nn.Module):
         super().__init__()
         self.fan_in_fan_out = fan_in_fan_out
         self._dora_cache: dict[str, Any] = {}  # not part of the state_dict
+        self.last_tier: Optional[str] = None  # the dispatch tier of the latest forward
 
     def _cache_store(self, key: str, value: Any) -> None:
         self._dora_cache[key] = value
@@ -389,10 +396,11 @@ class DoraLinearLayer(nn.Module):
         row_bytes = max(1, lora_result.numel() // max(d_out, 1)) * lora_result.element_size()
         step = max(1, (_env().fwd_chunk_mb * _MB) // row_bytes)
         if step >= d_out:
-            return _compose_with_dispatch(lora_result, F.linear(x, weight), g, scaling)
+            return _compose_with_dispatch(lora_result, F.linear(x, weight), g, scaling, self)
         parts = [
-            _compose_with_dispatch(lora_result[..., c : c + step], F.linear(x, weight[c : c + step]), g[c : c + step],
-                                   scaling)
+            _compose_with_dispatch(
+                lora_result[..., c : c + step], F.linear(x, weight[c : c + step]), g[c : c + step], scaling, self
+            )
             for c in range(0, d_out, step)
         ]
         return torch.cat(parts, dim=-1)
@@ -409,7 +417,7 @@ class DoraLinearLayer(nn.Module):
         bias = base_layer.bias
         if bias is not None:
             base_result = base_result - bias
-        return _compose_with_dispatch(lora_result, base_result, g, scaling)
+        return _compose_with_dispatch(lora_result, base_result, g, scaling, self)
 
     def __repr__(self) -> str:
         return "lora.dora." + super().__repr__()
@@ -466,7 +474,7 @@ class _DoraConvNdLayer(DoraLinearLayer):
             )
         elif base_layer.bias is not None:
             base_result = base_result - base_layer.bias.view((1, -1) + (1,) * (base_result.dim() - 2))
-        return _compose_with_dispatch(lora_B(lora_A(x)), base_result, g, scaling)
+        return _compose_with_dispatch(lora_B(lora_A(x)), base_result, g, scaling, self)
 
 
 class DoraConv1dLayer(_DoraConvNdLayer):
@@ -639,7 +647,8 @@ class DoraEmbeddingVariant(_DoraVariantBase):
 
     @staticmethod
     def forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
-        g, lora = module.lora_magnitude_vector[active_adapter](
+        dora_layer = module.lora_magnitude_vector[active_adapter]
+        g, lora = dora_layer(
             x,
             lora_A=module.lora_embedding_A[active_adapter].T,
             lora_B=module.lora_embedding_B[active_adapter].T,
@@ -653,7 +662,7 @@ class DoraEmbeddingVariant(_DoraVariantBase):
         if embed_scale is not None:
             lora = lora * embed_scale.to(lora.dtype)
         # g·result + g·s·lora, in the stable form with `result` as the base.
-        return result + _compose_with_dispatch(lora, result, g, module.scaling[active_adapter])
+        return result + _compose_with_dispatch(lora, result, g, module.scaling[active_adapter], dora_layer)
 
 
 class _DoraConvNdVariant(_DoraVariantBase):
