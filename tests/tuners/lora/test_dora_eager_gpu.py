@@ -1,0 +1,105 @@
+"""The eager tier on a CUDA GPU: tensor-core norm precision, parity with upstream, memory, ephemeral offload.
+
+Run on the GPU machine with ``pytest -m gpu``.
+"""
+
+import pytest
+import torch
+from dora_testing import to_upstream
+from test_dora_norm import dense_norm_fp64, make
+from test_dora_parity import build, inputs_for, max_err, run
+
+from peft import LoraConfig, LoraRuntimeConfig, get_peft_model
+from peft.tuners.lora import dora
+
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("d_out,d_in,r", [(4096, 4096, 384), (1024, 14336, 768), (14336, 4096, 64), (123, 3000, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_norm_matches_fp64(d_out, d_in, r, dtype):
+    weight, lora_A, lora_B = make(d_out, d_in, r, dtype, seed=3)
+    scale = 0.5
+    got = dora.factored_row_norm(weight.cuda(), lora_A.cuda(), lora_B.cuda(), scale).cpu()
+    ref = dense_norm_fp64(weight, lora_A, lora_B, scale)
+    rel = ((got.double() - ref).abs() / ref).max().item()
+    # fp32 W: fp32 matmuls (TF32 stays as the user set it; off by default). Half W: tensor-core products with
+    # fp32 accumulation and A rounded to the weight dtype, ‖s·B·A‖ ≈ 0.1‖W‖.
+    bound = 1e-5 if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else 2e-4
+    assert rel <= bound, rel
+
+
+@pytest.mark.parametrize("kind", ["linear", "gpt2_conv1d", "embedding", "conv2d"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_half_precision_at_least_as_accurate_as_upstream(kind, dtype):
+    ours = build(kind, bias=True, dropout=0.0).to("cuda", dtype)
+    theirs = to_upstream(ours)
+    reference = to_upstream(ours).double()
+    inputs = tuple(x.cuda() for x in inputs_for(ours, kind, dtype))
+    out_o, grads_o = run(ours, inputs)
+    out_u, grads_u = run(theirs, inputs)
+    out_r, grads_r = run(reference, tuple(x.double() if x.is_floating_point() else x for x in inputs))
+    scale = out_r.abs().max().item()
+    assert max_err(out_o, out_r) <= 2 * max_err(out_u, out_r) + 1e-2 * scale
+    for name in grads_o:
+        ref = grads_r[name]
+        assert max_err(grads_o[name], ref) <= 2 * max_err(grads_u[name], ref) + 1e-2 * ref.abs().max().item(), name
+
+
+def test_norm_transient_memory_within_budget():
+    d_out, d_in, r = 4096, 14336, 384
+    weight = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16)
+    lora_A = torch.randn(r, d_in, device="cuda") * 0.01
+    lora_B = torch.randn(d_out, r, device="cuda") * 0.01
+    budget = 16 << 20
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    dora.factored_row_norm(weight, lora_A, lora_B, 0.5, chunk_bytes=budget)
+    torch.cuda.synchronize()
+    transient = torch.cuda.max_memory_allocated() - before
+    rank_sized = 3 * d_out * r * 4  # U, B·G and their products with B: O(d_out·r) fp32, rank-dependent
+    assert transient <= budget + rank_sized, transient / 2**20
+
+
+def test_dora_layer_peak_memory_below_upstream():
+    # One 4096x4096 bf16 layer, r=384: upstream materialises eye(d_in), B·A and W + s·B·A; ours does not.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False)).to("cuda", torch.bfloat16)
+    config = LoraConfig(target_modules=["0"], use_dora=True, r=384, lora_alpha=192, init_lora_weights=False)
+    ours = get_peft_model(model, config).to(torch.bfloat16)
+    theirs = to_upstream(ours)
+    x = torch.randn(2, 512, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def peak(m):
+        m.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        m(x).float().sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    peak(ours), peak(theirs)  # warm-up
+    ours_peak, theirs_peak = peak(ours), peak(theirs)
+    dense = 4096 * 4096 * 2  # one bf16 weight-sized temporary
+    assert ours_peak + 2 * dense <= theirs_peak, (ours_peak / 2**20, theirs_peak / 2**20)
+
+
+def test_ephemeral_gpu_offload_computes_on_gpu_and_keeps_magnitude_on_cpu():
+    config = LoraConfig(
+        target_modules=["0"],
+        use_dora=True,
+        init_lora_weights=False,
+        runtime_config=LoraRuntimeConfig(ephemeral_gpu_offload=True),
+    )
+    reference = LoraConfig(target_modules=["0"], use_dora=True, init_lora_weights=False)
+    torch.manual_seed(1)
+    offloaded = get_peft_model(torch.nn.Sequential(torch.nn.Linear(64, 48)).requires_grad_(False), config)
+    torch.manual_seed(1)
+    plain = get_peft_model(torch.nn.Sequential(torch.nn.Linear(64, 48)).requires_grad_(False), reference)
+    mag_o = offloaded.base_model.model[0].lora_magnitude_vector["default"].weight
+    mag_p = plain.base_model.model[0].lora_magnitude_vector["default"].weight
+    assert mag_o.device.type == "cpu"
+    torch.testing.assert_close(mag_o, mag_p, rtol=1e-5, atol=1e-6)
