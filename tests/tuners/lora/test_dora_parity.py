@@ -125,7 +125,7 @@ def run(model, inputs, seed=0):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     out = model(*inputs)
-    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(out.device)
     (out.double() * cot).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return out.detach(), grads
