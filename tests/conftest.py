@@ -2,6 +2,7 @@ import os
 import sys
 from pathlib import Path
 
+
 # `dora_testing` (the upstream oracle and the tolerance table) lives beside this file.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Unit tests must see the defaults, whatever the developer's shell exports.

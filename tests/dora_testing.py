@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 

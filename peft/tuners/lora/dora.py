@@ -369,9 +369,7 @@ class DoraLinearLayer(nn.Module):
         return self
 
     @cache_decorator("weight-norm")
-    def get_weight_norm(
-        self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None
-    ) -> torch.Tensor:
+    def get_weight_norm(self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None) -> torch.Tensor:
         """Detached fp32 norm of ``weight + scaling·lora_B·lora_A`` per output row (weight as stored by the layer)."""
         return factored_row_norm(transpose(weight, self.fan_in_fan_out), lora_A, lora_B, scaling)
 
@@ -427,9 +425,7 @@ class DoraEmbeddingLayer(DoraLinearLayer):
     """Magnitude vector of one adapter on an Embedding: one entry per embedding dimension (column of the table)."""
 
     @cache_decorator("weight-norm")
-    def get_weight_norm(
-        self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None
-    ) -> torch.Tensor:
+    def get_weight_norm(self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None) -> torch.Tensor:
         """Norm of each column of ``weight + scaling·(lora_B·lora_A)ᵀ``, with ``lora_A`` [r, num_embeddings] and
         ``lora_B`` [embedding_dim, r] as stored in ``lora_embedding_A/B``; factored like the Linear case."""
         return factored_row_norm(weight.T, lora_A, lora_B, scaling)
@@ -439,9 +435,7 @@ class DoraEmbeddingLayer(DoraLinearLayer):
 
         ``lora_A``/``lora_B`` are the transposed embedding factors as the Embedding layer passes them.
         """
-        weight_norm = self.get_weight_norm(
-            base_layer.weight, lora_A.T, lora_B.T, scaling, adapter_name=adapter_name
-        )
+        weight_norm = self.get_weight_norm(base_layer.weight, lora_A.T, lora_B.T, scaling, adapter_name=adapter_name)
         g = _magnitude_scale(self.weight, weight_norm, base_layer.weight.dtype)
         return g, embed_fn(x, lora_A) @ lora_B
 
@@ -450,9 +444,7 @@ class _DoraConvNdLayer(DoraLinearLayer):
     """Magnitude of one adapter on a ConvNd layer, shaped [1, out_channels, 1, ...] as in upstream checkpoints."""
 
     @cache_decorator("weight-norm")
-    def get_weight_norm(
-        self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None
-    ) -> torch.Tensor:
+    def get_weight_norm(self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None) -> torch.Tensor:
         """Per-output-channel norm of the adapted conv weight, shaped [1, out_channels, 1, ...]."""
         norm = factored_conv_norm(weight, lora_A, lora_B, scaling)
         return norm.view((1, -1) + (1,) * (weight.dim() - 2))

@@ -8,7 +8,7 @@ from dora_testing import assert_close, to_upstream
 from test_dora_parity import build, inputs_for, run
 from torch import nn
 
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, get_peft_model_state_dict
 from peft.helpers import DoraCaching
 from peft.tuners.lora import dora
 
@@ -17,10 +17,22 @@ MERGEABLE = ["linear", "gpt2_conv1d", "embedding", "scaled_embedding", "conv2d",
 
 
 def add_second_adapter(model, kind):
-    targets = {"linear": ["lin0", "lin1"], "gpt2_conv1d": ["c_fc"], "embedding": ["emb", "lin"],
-               "scaled_embedding": ["emb"], "conv2d": ["conv0", "conv1"], "conv3d": ["conv0"]}[kind]
-    config = LoraConfig(target_modules=targets, use_dora=True, init_lora_weights=False, r=3, lora_alpha=5,
-                        fan_in_fan_out=kind == "gpt2_conv1d")
+    targets = {
+        "linear": ["lin0", "lin1"],
+        "gpt2_conv1d": ["c_fc"],
+        "embedding": ["emb", "lin"],
+        "scaled_embedding": ["emb"],
+        "conv2d": ["conv0", "conv1"],
+        "conv3d": ["conv0"],
+    }[kind]
+    config = LoraConfig(
+        target_modules=targets,
+        use_dora=True,
+        init_lora_weights=False,
+        r=3,
+        lora_alpha=5,
+        fan_in_fan_out=kind == "gpt2_conv1d",
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.add_adapter("other", config)
