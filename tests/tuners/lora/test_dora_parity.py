@@ -279,3 +279,25 @@ def test_zero_tokens():
     out = model(torch.randn(0, 24))
     assert out.shape == (0, 17)
     copy.deepcopy(model)(torch.randn(2, 0, 24)).sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["linear", "gpt2_conv1d", "embedding", "conv2d"])
+def test_autocast_mode_is_at_least_as_accurate_as_upstream(kind):
+    # PEFT's default precision: bf16 base weights, fp32 adapters (incl. the magnitude), bf16 autocast.
+    ours = build(kind, bias=True, dropout=0.0)
+    for name, p in ours.named_parameters():
+        if "lora_" not in name:
+            p.data = p.data.to(torch.bfloat16)
+    theirs = to_upstream(ours)
+    reference = to_upstream(ours).double()
+    inputs = inputs_for(ours, kind, torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_o, grads_o = run(ours, inputs)
+        out_u, grads_u = run(theirs, inputs)
+    out_r, grads_r = run(reference, tuple(x.double() if x.is_floating_point() else x for x in inputs))
+    atol = TOL[torch.bfloat16][0]
+    assert max_err(out_o, out_r) <= 2 * max_err(out_u, out_r) + atol * out_r.abs().max().item()
+    for name in grads_o:
+        assert grads_o[name].dtype == grads_u[name].dtype == torch.float32 or "lora_" not in name
+        ref = grads_r[name]
+        assert max_err(grads_o[name], ref) <= 2 * max_err(grads_u[name], ref) + atol * ref.abs().max().item(), name
