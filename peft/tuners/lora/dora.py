@@ -26,6 +26,7 @@ import collections
 import logging
 import os
 import threading
+import weakref
 from copy import deepcopy
 from dataclasses import dataclass
 from functools import wraps
@@ -34,6 +35,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 from peft.utils.other import transpose
@@ -85,6 +87,7 @@ def _parse_mb(name: str, default: int, low: int, high: int) -> int:
 class _DoraEnv:
     fused: Optional[bool]  # PEFT_DORA_FUSED: None = auto (Triton kernels when available)
     fused_backward: Optional[bool]  # PEFT_DORA_FUSED_BACKWARD: None = auto (above the crossover)
+    norm_cache: Optional[bool]  # PEFT_DORA_NORM_CACHE: None = in checkpoint recompute only, True = across forwards
     norm_chunk_mb: int  # PEFT_DORA_NORM_CHUNK_MB
     fwd_chunk_mb: int  # PEFT_DORA_FWD_CHUNK_MB
 
@@ -93,6 +96,7 @@ class _DoraEnv:
         return cls(
             fused=_parse_tristate("PEFT_DORA_FUSED"),
             fused_backward=_parse_tristate("PEFT_DORA_FUSED_BACKWARD"),
+            norm_cache=_parse_tristate("PEFT_DORA_NORM_CACHE"),
             norm_chunk_mb=_parse_mb("PEFT_DORA_NORM_CHUNK_MB", 256, *_NORM_CHUNK_MB_RANGE),
             fwd_chunk_mb=_parse_mb("PEFT_DORA_FWD_CHUNK_MB", 256, 1, 1 << 20),
         )
@@ -176,15 +180,32 @@ def _chunk_columns(d_out: int, r: int, d_in: int, budget_bytes: int) -> int:
     return min(d_in, cs)
 
 
-def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b accumulated and returned in fp32.
+def _acc_dtype(weight: torch.Tensor) -> torch.dtype:
+    """fp32 accumulation, or fp64 for an fp64 weight."""
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
+def _matmul_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """a @ b accumulated and returned in ``acc``.
 
     On CUDA, half-precision ``a`` stays in its dtype and runs on the tensor cores with an fp32 output (no fp32 copy
     of the weight chunk); everywhere else both operands are upcast.
     """
     if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16):
-        return torch.mm(a, b.to(a.dtype), out_dtype=torch.float32)
-    return a.float() @ b.float()
+        return torch.mm(a, b.to(a.dtype), out_dtype=acc)
+    return a.to(acc) @ b.to(acc)
+
+
+@torch.no_grad()
+def row_sq_norm(weight: torch.Tensor, chunk_bytes: Optional[int] = None) -> torch.Tensor:
+    """``||W||²`` per row of ``W`` [d_out, d_in] in fp32, in column chunks of the norm's budget."""
+    d_out, d_in = weight.shape
+    cs = _chunk_columns(d_out, 0, d_in, get_dora_norm_threshold_bytes() if chunk_bytes is None else chunk_bytes)
+    acc = _acc_dtype(weight)
+    w_sq = torch.zeros(d_out, device=weight.device, dtype=acc)
+    for c in range(0, d_in, cs):
+        w_sq += torch.linalg.vector_norm(weight[:, c : c + cs], dim=1, dtype=acc).square()
+    return w_sq
 
 
 @torch.no_grad()
@@ -194,6 +215,7 @@ def factored_row_norm(
     lora_B: torch.Tensor,
     scale: float,
     chunk_bytes: Optional[int] = None,
+    w_sq: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``||W + scale·B·A||`` per row of ``W`` in fp32, detached, without forming ``B·A``.
 
@@ -203,6 +225,7 @@ def factored_row_norm(
         lora_B: ``B``, [d_out, r].
         scale: the LoRA scaling ``s``; with ``s == 0`` the cross and Gram terms are skipped.
         chunk_bytes: budget for the fp32 chunk copies (default: ``PEFT_DORA_NORM_CHUNK_MB``).
+        w_sq: ``||W||²_row`` if already known (a frozen weight's cached value), fp32 [d_out].
     """
     d_out, d_in = weight.shape
     r = lora_A.shape[0]
@@ -215,22 +238,24 @@ def factored_row_norm(
     cs = _chunk_columns(d_out, r, d_in, budget)
     scale = float(scale)
     device = weight.device
+    acc = _acc_dtype(weight)
     with torch.autocast(device_type=device.type, enabled=False):
-        w_sq = torch.zeros(d_out, device=device, dtype=torch.float32)
         if scale == 0.0:
-            for c in range(0, d_in, cs):
-                w_sq += torch.linalg.vector_norm(weight[:, c : c + cs], dim=1, dtype=torch.float32).square()
-            return w_sq.sqrt()
-        cross = torch.zeros(d_out, device=device, dtype=torch.float32)
-        gram = torch.zeros(r, r, device=device, dtype=torch.float32)
-        b32 = lora_B.to(device=device, dtype=torch.float32)
+            return (row_sq_norm(weight, budget) if w_sq is None else w_sq).sqrt()
+        need_w_sq = w_sq is None
+        if need_w_sq:
+            w_sq = torch.zeros(d_out, device=device, dtype=acc)
+        cross = torch.zeros(d_out, device=device, dtype=acc)
+        gram = torch.zeros(r, r, device=device, dtype=acc)
+        b_acc = lora_B.to(device=device, dtype=acc)
         for c in range(0, d_in, cs):
             w_c = weight[:, c : c + cs]
-            a_c = lora_A[:, c : c + cs].to(device=device, dtype=torch.float32)
-            w_sq += torch.linalg.vector_norm(w_c, dim=1, dtype=torch.float32).square()
+            a_c = lora_A[:, c : c + cs].to(device=device, dtype=acc)
+            if need_w_sq:
+                w_sq += torch.linalg.vector_norm(w_c, dim=1, dtype=acc).square()
             gram += a_c @ a_c.T
-            cross += (b32 * _matmul_fp32(w_c, a_c.T)).sum(dim=1)
-        ba_sq = ((b32 @ gram) * b32).sum(dim=1)
+            cross += (b_acc * _matmul_acc(w_c, a_c.T, acc)).sum(dim=1)
+        ba_sq = ((b_acc @ gram) * b_acc).sum(dim=1)
         (w_norm,) = dora_fused.fused_norm_assembly(w_sq, cross, ba_sq, scale)
     return w_norm
 
@@ -252,7 +277,7 @@ def factored_conv_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch
     if groups == 1:
         return factored_row_norm(w2, a2, b2, scale)
     width = w2.shape[1]
-    norm = torch.empty(d_out, device=weight.device, dtype=torch.float32)
+    norm = torch.empty(d_out, device=weight.device, dtype=_acc_dtype(weight))
     for q in range(groups):
         norm[q::groups] = factored_row_norm(w2[q::groups], a2[:, q * width : (q + 1) * width], b2, scale)
     return norm
@@ -261,6 +286,127 @@ def factored_conv_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch
 def _magnitude_scale(magnitude: torch.Tensor, weight_norm: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
     """g = m / max(w_norm, eps) in fp32 (or wider), differentiable in m; eps depends on the weight's dtype."""
     return magnitude / weight_norm.clamp_min(_eps_for(weight_dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Norm reuse: the norm depends only on W, A, B and s, which change at optimizer steps and merges, not per forward.
+# ---------------------------------------------------------------------------------------------------------------
+
+norm_counts: collections.Counter = collections.Counter()
+"""DoRA forwards' weight norms and scales, ``norm_computed``/``norm_reused``, ``scale_computed``/``scale_reused``."""
+
+_epoch = [0]  # bumped by every optimizer step and every merge/unmerge: no norm memo survives either
+
+
+def _bump_epoch(*_args, **_kwargs) -> None:
+    _epoch[0] += 1
+
+
+def invalidate_norm_caches() -> None:
+    """Forget every reused DoRA norm and scale. Needed only after writing parameters through ``.data`` (or another
+    path PyTorch's version counters do not see) while ``PEFT_DORA_NORM_CACHE=1``."""
+    _bump_epoch()
+
+
+# Optimizers built on torch.optim (PyTorch's, bitsandbytes', DeepSpeed's) may write parameters through `.data`,
+# which PyTorch's version counters do not see; a global step hook catches all of them.
+register_optimizer_step_post_hook(_bump_epoch)
+
+
+def _watch_merges(cls: type) -> None:
+    """Make ``cls.merge``/``cls.unmerge`` bump the epoch: upstream merges write the base weight through ``.data``."""
+    if cls.__dict__.get("_dora_merges_watched"):
+        return
+    for name in ("merge", "unmerge"):
+        method = getattr(cls, name)
+
+        @wraps(method)
+        def watched(self, *args, _method=method, **kwargs):
+            try:
+                return _method(self, *args, **kwargs)
+            finally:
+                _bump_epoch()
+
+        setattr(cls, name, watched)
+    cls._dora_merges_watched = True
+
+
+def _identity_tracked(tensors) -> bool:
+    """True when every change of these tensors' values shows in their version counter or storage.
+
+    Sharded or wrapped parameters (DeepSpeed ZeRO-3, DTensor/FSDP2, quantized parameter classes) are re-gathered or
+    re-materialised behind PyTorch's back, and inside torch.compile there is no storage to identify.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return all(type(t) in (torch.Tensor, nn.Parameter) and not hasattr(t, "ds_id") for t in tensors)
+
+
+class _Memo:
+    """A value computed from some tensors, valid while the very same tensor objects keep their storage, version
+    counter, layout and dtype, the extra key (e.g. the scaling) is unchanged, and no optimizer step or merge happened
+    since (the epoch). Copies and pickles of a layer start empty."""
+
+    __slots__ = ("refs", "key", "value")
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.refs, self.key, self.value = (), None, None
+
+    def __deepcopy__(self, memo):
+        return _Memo()
+
+    def __reduce__(self):
+        return (_Memo, ())
+
+    @staticmethod
+    def _key(tensors, extra) -> tuple:
+        return (_epoch[0], extra) + tuple(
+            (t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors
+        )
+
+    def get(self, tensors, extra=()) -> Optional[torch.Tensor]:
+        if self.value is None or len(self.refs) != len(tensors):
+            return None
+        if any(ref() is not t for ref, t in zip(self.refs, tensors)) or self._key(tensors, extra) != self.key:
+            return None
+        return self.value
+
+    def put(self, tensors, value: torch.Tensor, extra=()) -> torch.Tensor:
+        self.refs, self.key, self.value = tuple(weakref.ref(t) for t in tensors), self._key(tensors, extra), value
+        return value
+
+
+def _source(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns a view's storage (the parameter behind ``lora_embedding_A.T``), else ``t`` itself."""
+    return t if t._base is None else t._base
+
+
+def _reuse_mode() -> Optional[str]:
+    """``"any"``: reuse across forwards; ``"recompute"``: only in a gradient-checkpoint recompute; None: never."""
+    mode = _env().norm_cache
+    if mode is False:
+        return None
+    # A recompute runs inside backward (an autograd graph task is active), after its own forward of the same step:
+    # nothing but `.data` writes – which autograd's own saved-tensor checks cannot see either – can come between.
+    return "any" if mode else "recompute"
+
+
+def _memoised(memo: _Memo, what: str, sources, compute, extra=()) -> torch.Tensor:
+    """``compute()`` unless ``memo`` holds its value for ``sources`` and reuse is allowed here; counted as ``what``."""
+    mode = _reuse_mode()
+    if mode is None or not _identity_tracked(sources):
+        norm_counts[what + "_computed"] += 1
+        return compute()
+    if mode == "any" or torch._C._current_graph_task_id() != -1:
+        hit = memo.get(sources, extra)
+        if hit is not None:
+            norm_counts[what + "_reused"] += 1
+            return hit
+    norm_counts[what + "_computed"] += 1
+    return memo.put(sources, compute(), extra)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -352,6 +498,7 @@ class DoraLinearLayer(nn.Module):
         self.fan_in_fan_out = fan_in_fan_out
         self._dora_cache: dict[str, Any] = {}  # not part of the state_dict
         self.last_tier: Optional[str] = None  # the dispatch tier of the latest forward
+        self._norm_memo, self._w_sq_memo, self._scale_memo = _Memo(), _Memo(), _Memo()
 
     def _cache_store(self, key: str, value: Any) -> None:
         self._dora_cache[key] = value
@@ -369,9 +516,44 @@ class DoraLinearLayer(nn.Module):
         return self
 
     @cache_decorator("weight-norm")
-    def get_weight_norm(self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None) -> torch.Tensor:
+    def get_weight_norm(
+        self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None, w_sq=None
+    ) -> torch.Tensor:
         """Detached fp32 norm of ``weight + scaling·lora_B·lora_A`` per output row (weight as stored by the layer)."""
-        return factored_row_norm(transpose(weight, self.fan_in_fan_out), lora_A, lora_B, scaling)
+        return factored_row_norm(transpose(weight, self.fan_in_fan_out), lora_A, lora_B, scaling, w_sq=w_sq)
+
+    def _forward_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
+        """The norm for this forward, reused while W, A, B and s are provably unchanged (see ``_memoised``)."""
+        sources = (weight, _source(lora_A), _source(lora_B))
+        return _memoised(
+            self._norm_memo,
+            "norm",
+            sources,
+            lambda: self._fresh_norm(weight, lora_A, lora_B, scaling, adapter_name),
+            extra=float(scaling),
+        )
+
+    def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
+        w_sq = None
+        if _reuse_mode() == "any" and _identity_tracked((weight,)):
+            # a frozen W keeps its ||W||²_row across optimizer steps: only the cross and Gram terms are new
+            w_sq = self._w_sq_memo.get((weight,))
+            if w_sq is None:
+                w_sq = self._w_sq_memo.put((weight,), row_sq_norm(transpose(weight, self.fan_in_fan_out)))
+        return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
+
+    def _scale(self, weight_norm: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+        """g = m / max(w_norm, eps); without autograd (inference, frozen m) reused while m and the norm hold."""
+        magnitude = self.weight
+        if torch.is_grad_enabled() and magnitude.requires_grad:
+            return _magnitude_scale(magnitude, weight_norm, weight_dtype)
+        return _memoised(
+            self._scale_memo,
+            "scale",
+            (magnitude, weight_norm),
+            lambda: _magnitude_scale(magnitude, weight_norm, weight_dtype),
+            extra=weight_dtype,
+        )
 
     def update_layer(self, *, base_layer, lora_A, lora_B, scaling, place_on_cpu=False) -> None:
         """Create the magnitude vector: the row norm of the adapted weight, ``||W + s·B·A||_row``."""
@@ -406,9 +588,9 @@ class DoraLinearLayer(nn.Module):
     def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, adapter_name="default"):
         """The DoRA delta to add to the base layer's output: ``(g - 1)·base + g·(s·lora)``."""
         weight = dequantize_module_weight(base_layer)
-        weight_norm = self.get_weight_norm(weight, lora_A.weight, lora_B.weight, scaling, adapter_name=adapter_name)
+        weight_norm = self._forward_norm(weight, lora_A.weight, lora_B.weight, scaling, adapter_name)
         # The norm is a constant for autograd (DoRA paper, section 4.3); only the magnitude gets a gradient.
-        g = _magnitude_scale(self.weight, weight_norm, weight.dtype)
+        g = self._scale(weight_norm, weight.dtype)
         lora_result = lora_B(lora_A(x))
         if base_result is None:
             return self._base_chunks(x, weight, lora_result, g, scaling)
@@ -435,9 +617,12 @@ class DoraEmbeddingLayer(DoraLinearLayer):
 
         ``lora_A``/``lora_B`` are the transposed embedding factors as the Embedding layer passes them.
         """
-        weight_norm = self.get_weight_norm(base_layer.weight, lora_A.T, lora_B.T, scaling, adapter_name=adapter_name)
-        g = _magnitude_scale(self.weight, weight_norm, base_layer.weight.dtype)
+        weight_norm = self._forward_norm(base_layer.weight, lora_A.T, lora_B.T, scaling, adapter_name)
+        g = self._scale(weight_norm, base_layer.weight.dtype)
         return g, embed_fn(x, lora_A) @ lora_B
+
+    def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
+        return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name)
 
 
 class _DoraConvNdLayer(DoraLinearLayer):
@@ -452,8 +637,8 @@ class _DoraConvNdLayer(DoraLinearLayer):
     def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, adapter_name: str = "default"):
         """The DoRA delta to add to the base conv output."""
         weight = base_layer.weight
-        weight_norm = self.get_weight_norm(weight, lora_A.weight, lora_B.weight, scaling, adapter_name=adapter_name)
-        g = _magnitude_scale(self.weight, weight_norm, weight.dtype)
+        weight_norm = self._forward_norm(weight, lora_A.weight, lora_B.weight, scaling, adapter_name)
+        g = self._scale(weight_norm, weight.dtype)
         if base_result is None:
             base_result = self.conv_fn(
                 x,
@@ -467,6 +652,9 @@ class _DoraConvNdLayer(DoraLinearLayer):
         elif base_layer.bias is not None:
             base_result = base_result - base_layer.bias.view((1, -1) + (1,) * (base_result.dim() - 2))
         return _compose_with_dispatch(lora_B(lora_A(x)), base_result, g, scaling, self)
+
+    def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
+        return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name)
 
 
 class DoraConv1dLayer(_DoraConvNdLayer):
@@ -493,6 +681,7 @@ class DoraConv3dLayer(_DoraConvNdLayer):
 
 
 def _register_magnitude(module) -> None:
+    _watch_merges(type(module))
     if not module.lora_magnitude_vector:
         # the first DoRA adapter on this layer: the magnitudes become trainable adapter weights
         module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)

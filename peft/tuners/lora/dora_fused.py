@@ -122,8 +122,9 @@ def _norm_assembly_torch(
 ) -> torch.Tensor:
     # Scalars are formed in fp64 and applied as fp32 tensors' multipliers; clamp_min keeps NaN, unlike max with 0.
     two_s, s2 = 2.0 * float(scale), float(scale) * float(scale)
-    total = w_norm_sq.float() + two_s * cross_term.float()
-    total = total + s2 * ba_norm_sq.float()
+    acc = torch.promote_types(w_norm_sq.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    total = w_norm_sq.to(acc) + two_s * cross_term.to(acc)
+    total = total + s2 * ba_norm_sq.to(acc)
     return total.clamp_min(0).sqrt().to(w_norm_sq.dtype)
 
 

@@ -1,0 +1,254 @@
+"""Norm reuse: one norm per change of W, A, B or s, never a stale one.
+
+Default (``PEFT_DORA_NORM_CACHE`` unset): a gradient-checkpoint recompute reuses the norm of its own forward.
+``PEFT_DORA_NORM_CACHE=1``: any forward reuses it while the tensors' identity, storage and version counters hold
+and no optimizer step or merge happened. ``0``: never.
+"""
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+from dora_testing import assert_close
+from test_dora_parity import build
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import dora
+
+
+@pytest.fixture
+def norm_cache(monkeypatch):
+    def set_mode(value):
+        if value is None:
+            monkeypatch.delenv("PEFT_DORA_NORM_CACHE", raising=False)
+        else:
+            monkeypatch.setenv("PEFT_DORA_NORM_CACHE", value)
+        dora._invalidate_fused_cache()
+
+    yield set_mode
+    monkeypatch.delenv("PEFT_DORA_NORM_CACHE", raising=False)
+    dora._invalidate_fused_cache()
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def checkpointed_model(seed=0):
+    model = build("linear", bias=True, dropout=0.0, seed=seed)
+    return model, Checkpointed(model)
+
+
+def train_steps(wrapper, params, steps, micro_steps, seed=0):
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        for _ in range(micro_steps):
+            x = torch.randn(4, 24, generator=gen)
+            loss = wrapper(x).pow(2).mean()
+            loss.backward()
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    return torch.stack(losses)
+
+
+def trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def test_default_reuses_only_in_checkpoint_recompute(norm_cache):
+    norm_cache(None)
+    model, wrapper = checkpointed_model()
+    dora.norm_counts.clear()
+    x = torch.randn(4, 24)
+    wrapper(x).sum().backward()
+    assert dora.norm_counts["norm_computed"] == 2  # one per DoRA layer, in the forward
+    assert dora.norm_counts["norm_reused"] == 2  # the recompute in backward
+    wrapper(x).sum().backward()
+    assert dora.norm_counts["norm_computed"] == 4  # a new forward recomputes by default
+
+
+@pytest.mark.parametrize("mode", [None, "1"])
+def test_training_is_bitwise_identical_to_no_reuse(norm_cache, mode):
+    norm_cache("0")
+    model, wrapper = checkpointed_model()
+    expected = train_steps(wrapper, trainable(model), steps=3, micro_steps=4)
+    expected_params = [p.detach().clone() for p in trainable(model)]
+    norm_cache(mode)
+    model, wrapper = checkpointed_model()
+    dora.norm_counts.clear()
+    got = train_steps(wrapper, trainable(model), steps=3, micro_steps=4)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for p, q in zip(trainable(model), expected_params):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    if mode == "1":
+        # ga=4 with checkpointing: one norm per layer per optimizer step, not 8
+        assert dora.norm_counts["norm_computed"] == 3 * 2
+        assert dora.norm_counts["norm_reused"] == 3 * 2 * 7
+
+
+def fresh_output(model, x):
+    """The output with reuse switched off: what any reused norm must reproduce."""
+    import os
+
+    old = os.environ.get("PEFT_DORA_NORM_CACHE")
+    os.environ["PEFT_DORA_NORM_CACHE"] = "0"
+    dora._invalidate_fused_cache()
+    try:
+        with torch.no_grad():
+            return model(x)
+    finally:
+        if old is None:
+            del os.environ["PEFT_DORA_NORM_CACHE"]
+        else:
+            os.environ["PEFT_DORA_NORM_CACHE"] = old
+        dora._invalidate_fused_cache()
+
+
+def lin0(model):
+    return model.base_model.model.lin0
+
+
+def optimizer_step(model):
+    with torch.enable_grad():
+        sum(p.sum() for p in trainable(model)).backward()
+    torch.optim.SGD(trainable(model), lr=0.1).step()
+
+
+CHANGES = {
+    "in-place edit of A": lambda m: lin0(m).lora_A["default"].weight.mul_(1.5),
+    "in-place edit of B": lambda m: lin0(m).lora_B["default"].weight.add_(0.1),
+    "in-place edit of W": lambda m: lin0(m).base_layer.weight.mul_(0.9),
+    "new parameter object for W": lambda m: setattr(
+        lin0(m).base_layer, "weight", nn.Parameter(lin0(m).base_layer.weight * 1.1)
+    ),
+    "load_state_dict": lambda m: m.load_state_dict(
+        {k: v * 1.2 for k, v in m.state_dict().items() if "lora_A" in k}, strict=False
+    ),
+    "optimizer step": lambda m: optimizer_step(m),
+    "scaling change": lambda m: lin0(m).set_scale("default", 0.5),
+    "merge and unmerge of another LoRA adapter": lambda m: (
+        m.add_adapter("plain", LoraConfig(target_modules=["lin0"], init_lora_weights=False)),
+        m.base_model.set_adapter(["default"]),
+        lin0(m).merge(adapter_names=["plain"]),
+        lin0(m).unmerge(),
+    ),
+    "DoRA merge and unmerge": lambda m: (lin0(m).merge(), lin0(m).unmerge()),
+    "dtype move": lambda m: m.double(),
+    "invalidate after a .data write": lambda m: (
+        lin0(m).lora_B["default"].weight.data.mul_(2.0),
+        dora.invalidate_norm_caches(),
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_never_stale_across_forwards(norm_cache, change):
+    norm_cache("1")
+    model = build("linear", bias=True, dropout=0.0)
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        model(x)
+        dora.norm_counts.clear()
+        model(x)
+    assert dora.norm_counts["norm_reused"] == 2 and dora.norm_counts["norm_computed"] == 0
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        CHANGES[change](model)
+    x = x.to(next(model.parameters()).dtype)
+    with torch.no_grad():
+        got = model(x)
+    assert_close(got, fresh_output(model, x), scale=0)
+
+
+def test_adapter_switch_uses_each_adapters_own_norm(norm_cache):
+    norm_cache("1")
+    model = build("linear", bias=True, dropout=0.0)
+    model.add_adapter("other", LoraConfig(target_modules=["lin0", "lin1"], use_dora=True, init_lora_weights=False))
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        first = model(x)
+        model.base_model.set_adapter("other")
+        other = model(x)
+        assert_close(other, fresh_output(model, x), scale=0)
+        model.base_model.set_adapter("default")
+        again = model(x)
+    assert not torch.equal(first, other)
+    assert_close(again, first, scale=0)
+
+
+def test_inference_reuses_the_scale(norm_cache):
+    norm_cache("1")
+    model = build("linear", bias=True, dropout=0.0).eval()
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        expected = model(x)
+        dora.norm_counts.clear()
+        got = model(x)
+    assert dora.norm_counts["scale_reused"] == 2 and dora.norm_counts["scale_computed"] == 0
+    assert_close(got, expected, scale=0)
+    # with autograd on the magnitude, g is rebuilt so that m gets its gradient
+    dora.norm_counts.clear()
+    model(x).sum().backward()
+    assert dora.norm_counts["scale_computed"] == 0 and dora.norm_counts["scale_reused"] == 0
+    assert lin0(model).lora_magnitude_vector["default"].weight.grad is not None
+
+
+def test_off_never_reuses(norm_cache):
+    norm_cache("0")
+    model, wrapper = checkpointed_model()
+    dora.norm_counts.clear()
+    wrapper(torch.randn(4, 24)).sum().backward()
+    assert dora.norm_counts["norm_reused"] == 0 and dora.norm_counts["norm_computed"] == 4
+
+
+def test_untracked_weights_are_always_recomputed(norm_cache):
+    # a dequantized weight is a fresh tensor every forward: nothing to identify, so nothing is reused
+    from test_dora_layers import FakeQuantLinear
+
+    norm_cache("1")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 12))
+    peft_model = get_peft_model(model, LoraConfig(target_modules=["0"], use_dora=True, init_lora_weights=False))
+    layer = peft_model.base_model.model[0]
+    layer.base_layer = FakeQuantLinear(layer.base_layer)
+    dora.norm_counts.clear()
+    with torch.no_grad():
+        peft_model(torch.randn(2, 16))
+        peft_model(torch.randn(2, 16))
+    assert dora.norm_counts["norm_reused"] == 0 and dora.norm_counts["norm_computed"] == 2
+
+
+def test_copies_and_pickles_start_empty(norm_cache):
+    norm_cache("1")
+    model = build("linear", bias=True, dropout=0.0)
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        expected = model(x)
+    clone = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for other in (clone, loaded):
+        dora.norm_counts.clear()
+        with torch.no_grad():
+            assert_close(other(x), expected, scale=0)
+        assert dora.norm_counts["norm_computed"] == 2
+
+
+def test_invalid_norm_cache_value(norm_cache):
+    norm_cache("sometimes")
+    with pytest.raises(ValueError, match="PEFT_DORA_NORM_CACHE"):
+        build("linear", bias=True, dropout=0.0)(torch.randn(1, 24))
