@@ -335,10 +335,8 @@ def _identity_tracked(tensors) -> bool:
     """True when every change of these tensors' values shows in their version counter or storage.
 
     Sharded or wrapped parameters (DeepSpeed ZeRO-3, DTensor/FSDP2, quantized parameter classes) are re-gathered or
-    re-materialised behind PyTorch's back, and inside torch.compile there is no storage to identify.
+    re-materialised behind PyTorch's back.
     """
-    if torch.compiler.is_compiling():
-        return False
     return all(type(t) in (torch.Tensor, nn.Parameter) and not hasattr(t, "ds_id") for t in tensors)
 
 
@@ -396,6 +394,8 @@ def _reuse_mode() -> Optional[str]:
 
 def _memoised(memo: _Memo, what: str, sources, compute, extra=()) -> torch.Tensor:
     """``compute()`` unless ``memo`` holds its value for ``sources`` and reuse is allowed here; counted as ``what``."""
+    if torch.compiler.is_compiling():
+        return compute()  # a traced graph has no storage to identify, and counters would be side effects
     mode = _reuse_mode()
     if mode is None or not _identity_tracked(sources):
         norm_counts[what + "_computed"] += 1
