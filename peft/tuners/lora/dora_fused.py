@@ -159,9 +159,11 @@ if _HAS_TRITON:
 # Layout checks, launch policy and launchers.
 # ---------------------------------------------------------------------------------------------------------------
 
-# Below this many activation elements the fused autograd path loses to eager PyTorch on an H200 (measured, see
-# benchmarks/results/bench_kernels.json, "crossover"): fixed host costs dominate there.
-_BACKWARD_CROSSOVER_NUMEL = 1 << 16
+# Below this many activation elements the fused autograd path (forward + backward) loses to eager PyTorch on the
+# H200: both are host-bound there and the Triton launches cost more host time than PyTorch's. Measured in bf16
+# (benchmarks/results/bench_kernels.json, "crossover"): fused slower at every size up to 4096 x 4096 (2^24, e.g.
+# 0.49 vs 0.41 ms per step at 1024 x 4096), several times faster from 8192 x 4096 (2^25) up.
+_BACKWARD_CROSSOVER_NUMEL = 1 << 25
 
 
 def kernels_available(t: torch.Tensor) -> bool:
@@ -185,6 +187,21 @@ def _row_stride(t: torch.Tensor) -> int | None:
     return row_stride if row_stride >= size[-1] else None
 
 
+def _layout(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> tuple[int, int] | None:
+    """(row stride of lora, row stride of base) when the kernels handle this layout, else None."""
+    if lora.shape != base.shape or lora.dtype != base.dtype or lora.dtype not in _KERNEL_DTYPES:
+        return None
+    if g.dtype not in _KERNEL_DTYPES or lora.device != base.device or g.device != lora.device or lora.dim() == 0:
+        return None
+    d_out = lora.shape[-1]
+    if g.numel() != d_out or g.shape[-1] != d_out or g.dim() > min(2, lora.dim()) or (d_out > 1 and g.stride(-1) != 1):
+        return None
+    stride_lora, stride_base = _row_stride(lora), _row_stride(base)
+    if stride_lora is None or stride_base is None:
+        return None
+    return stride_lora, stride_base
+
+
 def kernels_support(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> bool:
     """True when the kernels handle this layout; the rest goes to the eager path.
 
@@ -192,14 +209,7 @@ def kernels_support(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> 
     contiguous [d_out] or [1, d_out] vector, i.e. broadcast along the last dimension only (a Conv-style [1, C, 1, 1]
     scales a middle dimension and is left to PyTorch).
     """
-    if lora.shape != base.shape or lora.dtype != base.dtype or lora.dtype not in _KERNEL_DTYPES:
-        return False
-    if g.dtype not in _KERNEL_DTYPES or lora.device != base.device or g.device != lora.device or lora.dim() == 0:
-        return False
-    d_out = lora.shape[-1]
-    if g.numel() != d_out or g.shape[-1] != d_out or g.dim() > min(2, lora.dim()) or (d_out > 1 and g.stride(-1) != 1):
-        return False
-    return _row_stride(lora) is not None and _row_stride(base) is not None
+    return _layout(lora, base, g) is not None
 
 
 def above_backward_crossover(lora: torch.Tensor) -> bool:
@@ -237,21 +247,22 @@ def _backward_rows_per_program(n_rows_bucket: int, n_col_blocks: int, block_m: i
     return -(-rows // block_m) * block_m
 
 
-def _compose_triton(lora, base, g, scale, out, inner=None):
+def _compose_triton(lora, base, g, scale, out, inner=None, strides=None):
+    stride_lora, stride_base = strides or (_row_stride(lora), _row_stride(base))
     n_cols = lora.shape[-1]
     n_rows = lora.numel() // n_cols
     block_m, block_n, warps = _policy(n_rows, n_cols)
     grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
     _compose_kernel[grid](
         lora, base, g, out, out if inner is None else inner,
-        n_rows, n_cols, _row_stride(lora), _row_stride(base), _row_stride(out),
-        n_cols if inner is None else _row_stride(inner), float(scale),
+        n_rows, n_cols, stride_lora, stride_base, stride_lora if out is lora else n_cols, n_cols, float(scale),
         WRITE_INNER=inner is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
 
-def _backward_triton(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad):
+def _backward_triton(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad, strides=None):
+    stride_d_out, stride_inner = strides or (_row_stride(d_out), _row_stride(inner if needs_mag_grad else d_out))
     n_cols = d_out.shape[-1]
     n_rows = d_out.numel() // n_cols
     d_lora = torch.empty(d_out.shape, dtype=d_out.dtype, device=d_out.device) if needs_lora_grad else None
@@ -265,8 +276,7 @@ def _backward_triton(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, n
     _backward_kernel[(bands * n_col_blocks,)](
         d_out, inner if needs_mag_grad else d_out, g, d_lora if needs_lora_grad else d_out,
         d_base if needs_base_grad else d_out, partial,
-        n_rows, n_cols, rows_per_program, _row_stride(d_out), _row_stride(inner) if needs_mag_grad else n_cols,
-        n_cols, n_cols, float(scale),
+        n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, n_cols, n_cols, float(scale),
         NEED_LORA=needs_lora_grad, NEED_BASE=needs_base_grad, NEED_MAG=needs_mag_grad,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
@@ -385,8 +395,9 @@ def _fused_backward(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, ne
     if not any(needs):
         return None, None, None
     # Zero tokens launch nothing: the twin returns empty gradients and a zero d_g.
-    if d_out.numel() > 0 and kernels_available(d_out) and kernels_support(d_out, inner if needs_mag_grad else d_out, g):
-        return _backward_triton(d_out, inner, g, scale, *needs)
+    layout = _layout(d_out, inner if needs_mag_grad else d_out, g) if kernels_available(d_out) else None
+    if layout is not None and d_out.numel() > 0:
+        return _backward_triton(d_out, inner, g, scale, *needs, strides=layout)
     return _backward_torch(d_out, inner, g, scale, *needs)
 
 
@@ -446,27 +457,27 @@ def fused_dora_compose(
     """
     if torch.compiler.is_compiling():
         return torch.ops.peft.fused_dora_compose(lora, base, mag_norm_scale, float(scale))
-    if not (kernels_available(lora) and kernels_support(lora, base, mag_norm_scale)):
+    layout = _layout(lora, base, mag_norm_scale) if kernels_available(lora) else None
+    if layout is None:
         return _compose_torch(lora, base, mag_norm_scale, scale, inplace=inplace)
     out = lora if inplace else torch.empty(lora.shape, dtype=lora.dtype, device=lora.device)
     if lora.numel() == 0:
         return out
-    return _compose_triton(lora, base, mag_norm_scale, scale, out)
+    return _compose_triton(lora, base, mag_norm_scale, scale, out, strides=layout)
 
 
 def fused_dora_forward_and_inner(
     lora: torch.Tensor, base: torch.Tensor, mag_norm_scale: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(out, inner)`` with ``out`` as in :func:`fused_dora_compose` and ``inner = scale * lora + base``."""
-    if torch.compiler.is_compiling() or not (
-        kernels_available(lora) and kernels_support(lora, base, mag_norm_scale)
-    ):
+    layout = _layout(lora, base, mag_norm_scale) if kernels_available(lora) else None
+    if layout is None or torch.compiler.is_compiling():
         return _forward_and_inner_torch(lora, base, mag_norm_scale, scale)
     out = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device)
     inner = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device)
     if lora.numel() == 0:
         return out, inner
-    _compose_triton(lora, base, mag_norm_scale, scale, out, inner)
+    _compose_triton(lora, base, mag_norm_scale, scale, out, inner, strides=layout)
     return out, inner
 
 

@@ -46,12 +46,9 @@ def _random_case(seed):
     if rng.random() < 0.5:
         g = g.view(1, d_out)
     if nonfinite and lora.numel() > 3:
-        flat_idx = torch.randint(0, lora.numel(), (3,), device="cuda", generator=gen)
-        lora.view(-1)[flat_idx[0]] = float("nan") if lora.is_contiguous() else 0.0
-        if base.is_contiguous():
-            base.view(-1)[flat_idx[1]] = float("inf")
-        if d_out_t.is_contiguous():
-            d_out_t.view(-1)[flat_idx[2]] = float("-inf")
+        for t, value in ((lora, float("nan")), (base, float("inf")), (d_out_t, float("-inf"))):
+            row, col = rng.randrange(t.shape[-2]), rng.randrange(d_out)
+            t.view(-1, t.shape[-2], d_out)[0, row, col] = value
     return lora, base, d_out_t, g, scale, dtype
 
 
@@ -128,11 +125,26 @@ def _dora_linear(dtype, d_in=640, d_out=1000, r=16, dropout=0.0, seed=0):
     return get_peft_model(model, config).to("cuda", dtype)
 
 
-def _grads(model, x):
-    model.zero_grad(set_to_none=True)
-    out = model(x)
-    (out.float() * torch.linspace(-1, 1, out.shape[-1], device="cuda")).sum().backward()
-    return {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}, out
+def _reference_fp64(layer, x, weights):
+    """One DoRA Linear in fp64 from its definition: dense norm of W + s·B·A (detached), then the stable compose."""
+    W, b = (t.detach().double() for t in (layer.base_layer.weight, layer.base_layer.bias))
+    A, B, m = (t.detach().double().requires_grad_() for t in (layer.lora_A["default"].weight,
+                                                             layer.lora_B["default"].weight,
+                                                             layer.lora_magnitude_vector["default"].weight))  # fmt: skip
+    s = layer.scaling["default"]
+    g = m / (W + s * B @ A).norm(dim=1).detach()
+    xd = x.double()
+    base = xd @ W.T
+    y = base + b + (g - 1) * base + g * (s * (xd @ A.T @ B.T))
+    (y * weights).sum().backward()
+    return {"lora_A": A.grad, "lora_B": B.grad, "lora_magnitude_vector": m.grad}
+
+
+def _layer_grads(layer, x, weights):
+    layer.zero_grad(set_to_none=True)
+    (layer(x).double() * weights).sum().backward()
+    return {"lora_A": layer.lora_A["default"].weight.grad, "lora_B": layer.lora_B["default"].weight.grad,
+            "lora_magnitude_vector": layer.lora_magnitude_vector["default"].weight.grad}  # fmt: skip
 
 
 @pytest.fixture
@@ -147,30 +159,27 @@ def fused_backward_forced(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("freeze_magnitude", [False, True])
 def test_dora_linear_gradients_vs_fp64(dtype, freeze_magnitude, fused_backward_forced):
-    model = _dora_linear(dtype)
-    reference = _dora_linear(torch.float64)
-    reference.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
-    for m in (model, reference):
-        for n, p in m.named_parameters():
-            if "lora_magnitude_vector" in n:
-                p.requires_grad_(not freeze_magnitude)
-    x = torch.randn(4, 77, 640, device="cuda")
+    layer = _dora_linear(dtype).get_base_model()[0]
+    layer.lora_magnitude_vector["default"].weight.requires_grad_(not freeze_magnitude)
+    x = torch.randn(4, 77, 640, device="cuda").to(dtype)
+    weights = torch.randn(1000, device="cuda", dtype=torch.float64)
     dora.tier_counts.clear()
-    grads, _ = _grads(model, x.to(dtype))
-    assert dora.tier_counts[dora.TIER_FUSED_BACKWARD] == 2 and dora.tier_counts[dora.TIER_EAGER] == 0
-    ref_grads, _ = _grads(reference, x.double())
+    fused = _layer_grads(layer, x, weights)
+    assert dora.tier_counts[dora.TIER_FUSED_BACKWARD] == 1 and dora.tier_counts[dora.TIER_EAGER] == 0
+    ref = _reference_fp64(layer, x, weights)
     # The same-dtype eager tier is the yardstick: the fused tier may err at most 2x as much (+ a small floor).
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PEFT_DORA_FUSED", "0")
         dora._invalidate_fused_cache()
-        eager_grads, _ = _grads(model, x.to(dtype))
+        eager = _layer_grads(layer, x, weights)
     dora._invalidate_fused_cache()
-    assert set(grads) == set(ref_grads)
-    assert any("lora_magnitude_vector" in n for n in grads) is not freeze_magnitude
-    for name, ref in ref_grads.items():
-        err = (grads[name] - ref).norm() / ref.norm()
-        eager_err = (eager_grads[name] - ref).norm() / ref.norm()
-        assert err <= 2 * eager_err + TOL[dtype][1] / 10, (name, err.item(), eager_err.item())
+    assert (fused["lora_magnitude_vector"] is None) is freeze_magnitude
+    for name, r in ref.items():
+        if freeze_magnitude and name == "lora_magnitude_vector":
+            continue
+        err = ((fused[name].double() - r).norm() / r.norm()).item()
+        eager_err = ((eager[name].double() - r).norm() / r.norm()).item()
+        assert err <= 2 * eager_err + TOL[dtype][1] / 10, (name, err, eager_err)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -194,7 +203,7 @@ def _graph_breaks(module, x):
     return torch._dynamo.explain(module)(x).graph_break_count
 
 
-def test_torch_compile_fullgraph_without_dropout():
+def test_torch_compile_fullgraph_without_dropout(fused_backward_forced):
     model = _dora_linear(torch.bfloat16, seed=4)
     x = torch.randn(2, 64, 640, device="cuda", dtype=torch.bfloat16)
     inner = model.get_base_model()
@@ -209,8 +218,8 @@ def test_torch_compile_fullgraph_without_dropout():
     eager.float().sum().backward()
     assert_close(out, eager)
     for n, p in inner.named_parameters():
-        if p.grad is not None:
-            assert_close(grads[n].float(), p.grad.float(), dtype=torch.bfloat16, scale=4)
+        if p.grad is not None:  # bf16 matmul gradients: compare as a whole, elementwise cancellation is expected
+            assert ((grads[n].float() - p.grad.float()).norm() / p.grad.float().norm()).item() < 1e-2, n
 
 
 def test_torch_compile_graph_breaks_with_dropout():
