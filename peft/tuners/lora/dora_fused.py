@@ -159,10 +159,11 @@ if _HAS_TRITON:
 # Layout checks, launch policy and launchers.
 # ---------------------------------------------------------------------------------------------------------------
 
-# Below this many activation elements the fused autograd path (forward + backward) loses to eager PyTorch on the
-# H200: both are host-bound there and the Triton launches cost more host time than PyTorch's. Measured in bf16
-# (benchmarks/results/bench_kernels.json, "crossover"): fused slower at every size up to 4096 x 4096 (2^24, e.g.
-# 0.49 vs 0.41 ms per step at 1024 x 4096), several times faster from 8192 x 4096 (2^25) up.
+# Below this many activation elements the fused autograd path (forward + backward) does not reliably beat eager
+# PyTorch on the H200: both are host-bound there, and the Triton launches cost more host time than PyTorch's. bf16,
+# median ms per step, fused vs eager (benchmarks/results/bench_kernels.json, "crossover"): wins and losses alternate
+# up to 2^24 elements (1024 x 4096: 0.51 vs 0.46; 4096 x 4096: 0.48 vs 0.49); from 2^25 fused wins every time
+# (8192 x 4096: 0.42 vs 0.74; 32768 x 4096: 0.96 vs 2.67).
 _BACKWARD_CROSSOVER_NUMEL = 1 << 25
 
 
