@@ -33,9 +33,11 @@ TOL = {
 }
 
 
-def assert_close(actual, expected, dtype=None, scale=1.0):
+def assert_close(actual, expected, dtype=None, scale=1.0, equal_nan=False):
     atol, rtol = TOL[dtype or expected.dtype]
-    torch.testing.assert_close(actual, expected, atol=atol * scale, rtol=rtol * scale, check_dtype=False)
+    torch.testing.assert_close(
+        actual, expected, atol=atol * scale, rtol=rtol * scale, check_dtype=False, equal_nan=equal_nan
+    )
 
 
 _ORACLE = {}

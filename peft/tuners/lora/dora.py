@@ -490,6 +490,15 @@ def cache_decorator(cache_key: str):
     return cache_value
 
 
+def _forward_weight(base_layer: nn.Module) -> torch.Tensor:
+    """The base weight for the forward; plain parameters skip upstream's dequantize probe, whose type-name string
+    test Dynamo cannot trace (a graph break per DoRA layer under torch.compile)."""
+    weight = getattr(base_layer, "weight", None)
+    if type(weight) is nn.Parameter and not hasattr(base_layer, "W_q"):
+        return weight
+    return dequantize_module_weight(base_layer)
+
+
 class DoraLinearLayer(nn.Module):
     """Magnitude vector and DoRA contribution of one adapter on a Linear (or GPT-2 ``Conv1D``) layer."""
 
@@ -587,7 +596,7 @@ class DoraLinearLayer(nn.Module):
 
     def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, adapter_name="default"):
         """The DoRA delta to add to the base layer's output: ``(g - 1)·base + g·(s·lora)``."""
-        weight = dequantize_module_weight(base_layer)
+        weight = _forward_weight(base_layer)
         weight_norm = self._forward_norm(weight, lora_A.weight, lora_B.weight, scaling, adapter_name)
         # The norm is a constant for autograd (DoRA paper, section 4.3); only the magnitude gets a gradient.
         g = self._scale(weight_norm, weight.dtype)

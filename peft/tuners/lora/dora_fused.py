@@ -22,13 +22,19 @@ With ``g = m / max(w_norm, eps)`` (the per-row scale), ``s`` the LoRA scaling, `
 
 Every function here has a PyTorch twin (``_*_torch``) that is the CPU path, the fallback and the test oracle.
 ``g`` may be fp32 while activations are bf16/fp16: ``g - 1`` is formed in ``g``'s precision before it is cast to
-the activation dtype, otherwise values such as 1.0015 collapse to exactly 0 in bf16.
+the activation dtype, otherwise values such as 1.0015 collapse to exactly 0 in bf16. The Triton kernels go further
+and keep ``g``, ``g - 1`` and every product in fp32, rounding once at the store.
+
+The kernels view an activation as [rows, d_out] with unit column stride and one row stride, so any leading shape
+and column slices (``x[..., a:b]``) run without copies. Offsets are int64 throughout; the grid is one-dimensional
+(row blocks × column blocks), which has no per-axis size limit that a long sequence could hit.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
@@ -42,26 +48,253 @@ __all__ = [
     "is_triton_available",
 ]
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Triton decides at decoration time whether a kernel is interpreted, so the variable is read once, here, too.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-@functools.lru_cache(maxsize=None)
-def is_triton_available() -> bool:
-    """True if Triton can be imported (the kernels also need a CUDA tensor to run)."""
-    return importlib.util.find_spec("triton") is not None
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels.
+# ---------------------------------------------------------------------------------------------------------------
+
+if _HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _tile(pid, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Rows, columns and mask of tile ``pid``; column blocks vary fastest so neighbours sweep one row band."""
+        n_col_blocks = tl.cdiv(n_cols, BLOCK_N)
+        rows = (pid // n_col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        mask = (rows[:, None] < n_rows) & col_mask[None, :]
+        return rows, cols, col_mask, mask
+
+    @triton.jit
+    def _at(ptr, rows, cols, row_stride):
+        # rows is int64 (derived from the widened program id), so this never wraps past 2^31 elements.
+        return ptr + rows[:, None] * row_stride + cols[None, :]
+
+    @triton.jit
+    def _compose_kernel(
+        lora_ptr, base_ptr, g_ptr, out_ptr, inner_ptr,
+        n_rows, n_cols, stride_lora, stride_base, stride_out, stride_inner, scale,
+        WRITE_INNER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """out = (g - 1)·base + g·(s·lora); with WRITE_INNER also inner = s·lora + base. out may alias lora."""
+        pid = tl.program_id(0).to(tl.int64)
+        rows, cols, col_mask, mask = _tile(pid, n_rows, n_cols, BLOCK_M, BLOCK_N)
+        g = tl.load(g_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        lora = tl.load(_at(lora_ptr, rows, cols, stride_lora), mask=mask, other=0.0).to(tl.float32)
+        base = tl.load(_at(base_ptr, rows, cols, stride_base), mask=mask, other=0.0).to(tl.float32)
+        scaled = scale * lora
+        out = (g - 1.0) * base + g * scaled
+        tl.store(_at(out_ptr, rows, cols, stride_out), out.to(out_ptr.dtype.element_ty), mask=mask)
+        if WRITE_INNER:
+            tl.store(_at(inner_ptr, rows, cols, stride_inner), (scaled + base).to(inner_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _backward_kernel(
+        d_out_ptr, inner_ptr, g_ptr, d_lora_ptr, d_base_ptr, partial_ptr,
+        n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, stride_d_lora, stride_d_base, scale,
+        NEED_LORA: tl.constexpr, NEED_BASE: tl.constexpr, NEED_MAG: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """d_lora = g·(s·d_out), d_base = (g - 1)·d_out, and stage one of d_g: this program's column sums of
+        inner·d_out over its ``rows_per_program`` rows, written to row ``pid // n_col_blocks`` of ``partial``.
+        A fixed tile order and a fixed in-register tree make the partial sums bitwise repeatable (no atomics)."""
+        pid = tl.program_id(0).to(tl.int64)
+        n_col_blocks = tl.cdiv(n_cols, BLOCK_N)
+        band = pid // n_col_blocks
+        cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        g = tl.load(g_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        row_start = band * rows_per_program
+        for step in range(0, rows_per_program, BLOCK_M):
+            rows = row_start + step + tl.arange(0, BLOCK_M)
+            mask = (rows[:, None] < n_rows) & col_mask[None, :]
+            d_out = tl.load(_at(d_out_ptr, rows, cols, stride_d_out), mask=mask, other=0.0).to(tl.float32)
+            if NEED_LORA:
+                d_lora = g * (scale * d_out)
+                tl.store(_at(d_lora_ptr, rows, cols, stride_d_lora), d_lora.to(d_lora_ptr.dtype.element_ty), mask=mask)
+            if NEED_BASE:
+                d_base = (g - 1.0) * d_out
+                tl.store(_at(d_base_ptr, rows, cols, stride_d_base), d_base.to(d_base_ptr.dtype.element_ty), mask=mask)
+            if NEED_MAG:
+                inner = tl.load(_at(inner_ptr, rows, cols, stride_inner), mask=mask, other=0.0).to(tl.float32)
+                acc += inner * d_out
+        if NEED_MAG:
+            tl.store(partial_ptr + band * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
+
+    @triton.jit
+    def _column_sum_kernel(partial_ptr, out_ptr, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Stage two of d_g: out[c] = sum_p partial[p, c], in a fixed order, cast to g's dtype."""
+        pid = tl.program_id(0).to(tl.int64)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_parts, BLOCK_P):
+            parts = start + tl.arange(0, BLOCK_P).to(tl.int64)
+            mask = (parts[:, None] < n_parts) & col_mask[None, :]
+            acc += tl.load(_at(partial_ptr, parts, cols, n_cols), mask=mask, other=0.0)
+        tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)
+
+    @triton.jit
+    def _norm_kernel(w_sq_ptr, cross_ptr, ba_sq_ptr, out_ptr, n, two_s, s2, BLOCK: tl.constexpr):
+        """sqrt(max(w_sq + 2s·cross + s²·ba_sq, 0)) in fp32; launched without FMA contraction so each product is
+        rounded as in PyTorch's separate ops, and with a correctly rounded sqrt (tl.sqrt is approximate)."""
+        pid = tl.program_id(0).to(tl.int64)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        total = tl.load(w_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        total = total + two_s * tl.load(cross_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        total = total + s2 * tl.load(ba_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        total = tl.where(total < 0.0, 0.0, total)  # NaN < 0 is false: NaN survives, as with torch.clamp_min
+        tl.store(out_ptr + offs, tl.sqrt_rn(total).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout checks, launch policy and launchers.
+# ---------------------------------------------------------------------------------------------------------------
+
+# Below this many activation elements the fused autograd path (forward + backward) does not reliably beat eager
+# PyTorch on the H200: both are host-bound there, and the Triton launches cost more host time than PyTorch's. bf16,
+# median ms per step, fused vs eager (benchmarks/results/bench_kernels.json, "crossover"): wins and losses alternate
+# up to 2^24 elements (1024 x 4096: 0.51 vs 0.46; 4096 x 4096: 0.48 vs 0.49); from 2^25 fused wins every time
+# (8192 x 4096: 0.42 vs 0.74; 32768 x 4096: 0.96 vs 2.67).
+_BACKWARD_CROSSOVER_NUMEL = 1 << 25
 
 
 def kernels_available(t: torch.Tensor) -> bool:
-    """True when the Triton kernels can run on ``t``'s device. This build has no Triton kernels yet."""
-    return False
+    """True when the Triton kernels can run on ``t``'s device: CUDA with Triton, or any device under the interpreter."""
+    return _HAS_TRITON and (t.is_cuda or _INTERPRET)
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """Stride between rows when ``t`` reads as non-overlapping [rows, d_out] rows with unit column stride."""
+    if t.dim() <= 1:
+        return t.shape[0] if t.dim() == 1 else None
+    size, stride = t.shape, t.stride()
+    if size[-1] > 1 and stride[-1] != 1:
+        return None
+    row_stride = stride[-2] if size[-2] > 1 else size[-1]
+    expected = row_stride
+    for i in range(t.dim() - 2, -1, -1):
+        if size[i] > 1 and stride[i] != expected:
+            return None
+        expected *= size[i]
+    return row_stride if row_stride >= size[-1] else None
+
+
+def _layout(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> tuple[int, int] | None:
+    """(row stride of lora, row stride of base) when the kernels handle this layout, else None."""
+    if lora.shape != base.shape or lora.dtype != base.dtype or lora.dtype not in _KERNEL_DTYPES:
+        return None
+    if g.dtype not in _KERNEL_DTYPES or lora.device != base.device or g.device != lora.device or lora.dim() == 0:
+        return None
+    d_out = lora.shape[-1]
+    if g.numel() != d_out or g.shape[-1] != d_out or g.dim() > min(2, lora.dim()) or (d_out > 1 and g.stride(-1) != 1):
+        return None
+    stride_lora, stride_base = _row_stride(lora), _row_stride(base)
+    if stride_lora is None or stride_base is None:
+        return None
+    return stride_lora, stride_base
 
 
 def kernels_support(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> bool:
-    """True when the kernels handle this layout; the rest goes to the eager path."""
-    return False
+    """True when the kernels handle this layout; the rest goes to the eager path.
+
+    ``lora`` and ``base`` must agree in shape, dtype and device and read as rows (unit column stride); ``g`` must be a
+    contiguous [d_out] or [1, d_out] vector, i.e. broadcast along the last dimension only (a Conv-style [1, C, 1, 1]
+    scales a middle dimension and is left to PyTorch).
+    """
+    return _layout(lora, base, g) is not None
 
 
 def above_backward_crossover(lora: torch.Tensor) -> bool:
-    """True when the fused backward beats eager for an activation of this shape."""
-    return False
+    """True when the fused backward beats eager for an activation of this size (H200 measurement, above)."""
+    return lora.numel() >= _BACKWARD_CROSSOVER_NUMEL
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=64)
+def _elementwise_policy(rows_bucket: int, cols_bucket: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for the compose and backward tiles.
+
+    4096-element tiles (8 KB per bf16 operand) with 4 warps give every thread 16-byte accesses and enough tiles in
+    flight to cover HBM latency; BLOCK_N up to 512 keeps rows contiguous without leaving short rows mostly masked.
+    Keys are powers of two, so changing sequence lengths reuse the same few compiled variants.
+    """
+    block_n = min(cols_bucket, 512)
+    block_m = max(1, min(4096 // block_n, rows_bucket))
+    return block_m, block_n, 4
+
+
+def _policy(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    return _elementwise_policy(_next_pow2(min(n_rows, 4096)), _next_pow2(n_cols))
+
+
+@functools.lru_cache(maxsize=64)
+def _backward_rows_per_program(n_rows_bucket: int, n_col_blocks: int, block_m: int) -> int:
+    """Rows one backward program walks: enough programs to fill the GPU many times over (~4096), few enough that
+    the [row bands, d_out] fp32 partial buffer stays a few percent of the activation traffic."""
+    bands = max(1, 4096 // n_col_blocks)
+    rows = max(block_m, -(-n_rows_bucket // bands))
+    return -(-rows // block_m) * block_m
+
+
+def _compose_triton(lora, base, g, scale, out, inner=None, strides=None):
+    stride_lora, stride_base = strides or (_row_stride(lora), _row_stride(base))
+    n_cols = lora.shape[-1]
+    n_rows = lora.numel() // n_cols
+    block_m, block_n, warps = _policy(n_rows, n_cols)
+    grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
+    _compose_kernel[grid](
+        lora, base, g, out, out if inner is None else inner,
+        n_rows, n_cols, stride_lora, stride_base, stride_lora if out is lora else n_cols, n_cols, float(scale),
+        WRITE_INNER=inner is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
+
+
+def _backward_triton(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad, strides=None):
+    stride_d_out, stride_inner = strides or (_row_stride(d_out), _row_stride(inner if needs_mag_grad else d_out))
+    n_cols = d_out.shape[-1]
+    n_rows = d_out.numel() // n_cols
+    d_lora = torch.empty(d_out.shape, dtype=d_out.dtype, device=d_out.device) if needs_lora_grad else None
+    d_base = torch.empty(d_out.shape, dtype=d_out.dtype, device=d_out.device) if needs_base_grad else None
+    d_mag = torch.empty(g.shape, dtype=g.dtype, device=g.device) if needs_mag_grad else None
+    block_m, block_n, warps = _policy(n_rows, n_cols)
+    n_col_blocks = triton.cdiv(n_cols, block_n)
+    rows_per_program = _backward_rows_per_program(_next_pow2(n_rows), n_col_blocks, block_m)
+    bands = triton.cdiv(n_rows, rows_per_program)
+    partial = torch.empty((bands, n_cols), dtype=torch.float32, device=d_out.device) if needs_mag_grad else d_out
+    _backward_kernel[(bands * n_col_blocks,)](
+        d_out, inner if needs_mag_grad else d_out, g, d_lora if needs_lora_grad else d_out,
+        d_base if needs_base_grad else d_out, partial,
+        n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, n_cols, n_cols, float(scale),
+        NEED_LORA=needs_lora_grad, NEED_BASE=needs_base_grad, NEED_MAG=needs_mag_grad,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    if needs_mag_grad:
+        # 8 × 256 fp32 per step: the buffer has at most a few thousand rows, so this pass costs microseconds.
+        _column_sum_kernel[(triton.cdiv(n_cols, 256),)](partial, d_mag, bands, n_cols, BLOCK_P=8, BLOCK_N=256)
+    return d_lora, d_base, d_mag
+
+
+def _norm_assembly_triton(w_norm_sq, cross_term, ba_norm_sq, scale):
+    out = torch.empty_like(w_norm_sq, memory_format=torch.contiguous_format)
+    n = w_norm_sq.numel()
+    # The norm is d_out elements: launch latency, not block size, decides its time, so one fixed block serves all.
+    two_s, s2 = 2.0 * float(scale), float(scale) * float(scale)
+    _norm_kernel[(triton.cdiv(n, 256),)](w_norm_sq, cross_term, ba_norm_sq, out, n, two_s, s2, BLOCK=256,
+                                         enable_fp_fusion=False)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,19 +388,63 @@ class FusedDoRAComposeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         inner, g = ctx.saved_tensors
-        d_lora, d_base, d_mag = _fused_backward(
-            d_out.contiguous(), inner, g, ctx.scale, *ctx.needs_input_grad[:3]
-        )
+        d_lora, d_base, d_mag = _fused_backward(d_out, inner, g, ctx.scale, *ctx.needs_input_grad[:3])
         return d_lora, d_base, d_mag, None
 
 
 def _fused_backward(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad):
-    return _backward_torch(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad)
+    needs = (needs_lora_grad, needs_base_grad, needs_mag_grad)
+    if not any(needs):
+        return None, None, None
+    # Zero tokens launch nothing: the twin returns empty gradients and a zero d_g.
+    layout = _layout(d_out, inner if needs_mag_grad else d_out, g) if kernels_available(d_out) else None
+    if layout is not None and d_out.numel() > 0:
+        return _backward_triton(d_out, inner, g, scale, *needs, strides=layout)
+    return _backward_torch(d_out, inner, g, scale, *needs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.compile boundary: the composition as one opaque op, registered once at import.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("peft::fused_dora_compose", mutates_args=())
+def _compose_op(lora: torch.Tensor, base: torch.Tensor, mag_norm_scale: torch.Tensor, scale: float) -> torch.Tensor:
+    return fused_dora_compose(lora, base, mag_norm_scale, scale, inplace=False).contiguous()
+
+
+@_compose_op.register_fake
+def _compose_op_fake(lora, base, mag_norm_scale, scale):
+    shape = torch.broadcast_shapes(lora.shape, base.shape, mag_norm_scale.shape)
+    return lora.new_empty(shape, dtype=torch.promote_types(lora.dtype, base.dtype))
+
+
+def _compose_op_setup_context(ctx, inputs, output):
+    lora, base, mag_norm_scale, scale = inputs
+    ctx.scale = scale
+    ctx.save_for_backward(lora, base, mag_norm_scale)
+
+
+def _compose_op_backward(ctx, d_out):
+    # Plain PyTorch: AOTAutograd traces this with fake tensors and Inductor fuses it into one kernel.
+    lora, base, g = ctx.saved_tensors
+    needs_lora, needs_base, needs_mag = ctx.needs_input_grad[:3]
+    inner = _forward_and_inner_torch(lora, base, g, ctx.scale)[1] if needs_mag else None
+    d_lora, d_base, d_mag = _backward_torch(d_out, inner, g, ctx.scale, needs_lora, needs_base, needs_mag)
+    return d_lora, d_base, d_mag, None
+
+
+_compose_op.register_autograd(_compose_op_backward, setup_context=_compose_op_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Public functions (names and signatures as in the reference fork's API).
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def is_triton_available() -> bool:
+    """True if Triton can be imported (the kernels also need a CUDA tensor to run)."""
+    return _HAS_TRITON
 
 
 def fused_dora_compose(
@@ -177,16 +454,33 @@ def fused_dora_compose(
 
     ``mag_norm_scale`` broadcasts against ``lora`` ([out_features], [1, out_features] or a Conv-style shape). With
     ``inplace=True`` the result is written into ``lora`` when its dtype and shape allow it; no autograd graph is
-    recorded for in-place writes, so use :func:`fused_dora_compose_autograd` for training.
+    recorded for in-place writes, so use :func:`fused_dora_compose_autograd` for training. Under ``torch.compile``
+    the result is always a new tensor (the ``peft::fused_dora_compose`` op).
     """
-    return _compose_torch(lora, base, mag_norm_scale, scale, inplace=inplace)
+    if torch.compiler.is_compiling():
+        return torch.ops.peft.fused_dora_compose(lora, base, mag_norm_scale, float(scale))
+    layout = _layout(lora, base, mag_norm_scale) if kernels_available(lora) else None
+    if layout is None:
+        return _compose_torch(lora, base, mag_norm_scale, scale, inplace=inplace)
+    out = lora if inplace else torch.empty(lora.shape, dtype=lora.dtype, device=lora.device)
+    if lora.numel() == 0:
+        return out
+    return _compose_triton(lora, base, mag_norm_scale, scale, out, strides=layout)
 
 
 def fused_dora_forward_and_inner(
     lora: torch.Tensor, base: torch.Tensor, mag_norm_scale: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(out, inner)`` with ``out`` as in :func:`fused_dora_compose` and ``inner = scale * lora + base``."""
-    return _forward_and_inner_torch(lora, base, mag_norm_scale, scale)
+    layout = _layout(lora, base, mag_norm_scale) if kernels_available(lora) else None
+    if layout is None or torch.compiler.is_compiling():
+        return _forward_and_inner_torch(lora, base, mag_norm_scale, scale)
+    out = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device)
+    inner = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device)
+    if lora.numel() == 0:
+        return out, inner
+    _compose_triton(lora, base, mag_norm_scale, scale, out, inner, strides=layout)
+    return out, inner
 
 
 def fused_norm_assembly(
@@ -196,11 +490,28 @@ def fused_norm_assembly(
 
     The magnitude division stays with the caller, in PyTorch, so every norm path shares its precision.
     """
-    return (_norm_assembly_torch(w_norm_sq, cross_term, ba_norm_sq, scale),)
+    fused = (
+        not torch.compiler.is_compiling()
+        and kernels_available(w_norm_sq)
+        and w_norm_sq.dtype in _KERNEL_DTYPES
+        and all(
+            t.shape == w_norm_sq.shape and t.device == w_norm_sq.device and t.dtype in _KERNEL_DTYPES
+            and t.is_contiguous()
+            for t in (w_norm_sq, cross_term, ba_norm_sq)
+        )
+    )  # fmt: skip
+    if not fused:
+        return (_norm_assembly_torch(w_norm_sq, cross_term, ba_norm_sq, scale),)
+    if w_norm_sq.numel() == 0:
+        return (torch.empty_like(w_norm_sq),)
+    return (_norm_assembly_triton(w_norm_sq, cross_term, ba_norm_sq, scale),)
 
 
 def fused_dora_compose_autograd(
     lora: torch.Tensor, base: torch.Tensor, mag_norm_scale: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Training-time composition through :class:`FusedDoRAComposeFunction` (fused backward)."""
+    """Training-time composition through :class:`FusedDoRAComposeFunction` (fused backward); under
+    ``torch.compile`` through the ``peft::fused_dora_compose`` op, so the graph does not break."""
+    if torch.compiler.is_compiling():
+        return torch.ops.peft.fused_dora_compose(lora, base, mag_norm_scale, float(scale))
     return FusedDoRAComposeFunction.apply(lora, base, mag_norm_scale, float(scale))

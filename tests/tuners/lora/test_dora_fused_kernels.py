@@ -1,0 +1,90 @@
+"""The fused DoRA kernels on CPU: the layout rules here, every kernel against its twin under the Triton interpreter
+(dora_kernel_cases.py, in a child process), and the torch.compile op through opcheck."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from peft.tuners.lora import dora_fused as F
+
+
+pytest.importorskip("triton", reason="the fused kernels need Triton (pip install triton)")
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_kernels_against_twins_under_interpreter():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEFT_DORA_")}
+    env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, "-m", "pytest", str(HERE / "dora_kernel_cases.py"), "-q", "-p", "no:cacheprovider",
+           "-o", "addopts=", "--rootdir", str(HERE.parents[1])]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize(
+    "lora_shape, g_shape, ok",
+    [
+        ((7, 123), (123,), True),
+        ((2, 7, 123), (1, 123), True),
+        ((123,), (123,), True),
+        ((123,), (1, 123), False),  # the twin would broadcast the output to [1, 123]
+        ((2, 4, 3, 3), (1, 4, 1, 1), False),  # Conv-style: g scales a middle dimension
+        ((7, 123), (7, 123), False),
+        ((7, 123), (61,), False),
+    ],
+)
+def test_kernels_support_broadcast_rule(lora_shape, g_shape, ok):
+    lora, base = torch.randn(lora_shape), torch.randn(lora_shape)
+    assert F.kernels_support(lora, base, torch.rand(g_shape)) is ok
+
+
+def test_kernels_support_layout_rules():
+    x, g = torch.randn(6, 8), torch.rand(8)
+    assert not F.kernels_support(x.t().contiguous().t(), x, g)  # column-major
+    assert not F.kernels_support(x, x.half(), g)  # mixed activation dtypes
+    assert not F.kernels_support(x.double(), x.double(), g)  # fp64 stays in PyTorch
+    assert not F.kernels_support(x, x, torch.rand(16)[::2])  # strided g
+    assert not F.kernels_support(x[:, None, :].expand(6, 3, 8), torch.randn(6, 3, 8), g)  # overlapping rows
+    assert F.kernels_support(torch.randn(6, 20)[:, 4:12], x, g)  # a column slice reads as rows
+
+
+def test_kernels_need_cuda_outside_the_interpreter():
+    assert F.kernels_available(torch.empty(1)) is (F._HAS_TRITON and F._INTERPRET)
+
+
+def test_launch_policy_is_bucketed():
+    assert F._policy(1000, 4096) == F._policy(1024, 4095)
+    block_m, block_n, _ = F._policy(1, 14336)
+    assert block_m == 1 and block_n <= 1024
+    for rows, cols in ((1, 1), (7, 5), (33000, 14336)):
+        block_m, block_n, warps = F._policy(rows, cols)
+        assert block_m * block_n <= 4096 and warps in (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("g_shape", [(7,), (1, 7)])
+@pytest.mark.parametrize("g_grad", [True, False])
+def test_custom_op_opcheck(g_shape, g_grad):
+    lora = torch.randn(4, 7, requires_grad=True)
+    base = torch.randn(4, 7, requires_grad=True)
+    g = (1 + 0.1 * torch.rand(g_shape)).requires_grad_(g_grad)
+    torch.library.opcheck(torch.ops.peft.fused_dora_compose.default, (lora, base, g, 0.5))
+
+
+def test_compiled_autograd_entry_point_has_no_graph_break():
+    def f(lora, base, g):
+        return F.fused_dora_compose_autograd(lora, base, g, 0.5)
+
+    lora, base = torch.randn(4, 7, requires_grad=True), torch.randn(4, 7)
+    g = (1 + 0.1 * torch.rand(7)).requires_grad_()
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(lora, base, g)
+    out.sum().backward()
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (lora, g)]
+    F._compose_torch(ref_leaves[0], base, ref_leaves[1], 0.5).sum().backward()
+    torch.testing.assert_close(lora.grad, ref_leaves[0].grad)
+    torch.testing.assert_close(g.grad, ref_leaves[1].grad)

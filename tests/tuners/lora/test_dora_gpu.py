@@ -1,0 +1,236 @@
+"""The fused tier on a CUDA GPU: kernels against their PyTorch twins on randomized shapes, dtypes, strides and
+non-finite inputs; DoRA Linear gradients against fp64; d_mag determinism; torch.compile; fused vs eager tier.
+
+Run on the GPU machine with ``pytest -m gpu``.
+"""
+
+import random
+
+import pytest
+import torch
+from dora_testing import TOL, assert_close
+from torch import nn
+
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import dora
+from peft.tuners.lora import dora_fused as F
+
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _random_case(seed):
+    rng = random.Random(seed)
+    dtype = rng.choice(DTYPES)
+    tokens = rng.choice([0, 1, 2, 7, rng.randint(1, 300), rng.randint(300, 5000)])
+    d_out = rng.choice([1, 5, 123, 130, 1000, 4095, 4096, 5000, rng.randint(1, 9000)])
+    layout = rng.choice(["contiguous", "slice", "batched"])
+    g_dtype = rng.choice([torch.float32, dtype])
+    scale = rng.choice([0.0, 0.5, 2.0, rng.uniform(0.01, 4.0)])
+    nonfinite = rng.random() < 0.2
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def act():
+        if layout == "slice":  # a column window of a wider activation: row stride > d_out
+            return torch.randn(tokens, d_out + 17, device="cuda", generator=gen).to(dtype)[:, 9 : 9 + d_out]
+        if layout == "batched" and tokens % 2 == 0 and tokens > 0:
+            return torch.randn(2, tokens // 2, d_out, device="cuda", generator=gen).to(dtype)
+        return torch.randn(tokens, d_out, device="cuda", generator=gen).to(dtype)
+
+    lora, base, d_out_t = act(), act(), act()
+    base = base.reshape(lora.shape) if base.shape != lora.shape else base
+    d_out_t = d_out_t.reshape(lora.shape) if d_out_t.shape != lora.shape else d_out_t
+    g = (1 + 0.05 * torch.randn(d_out, device="cuda", generator=gen)).to(g_dtype)
+    if rng.random() < 0.5:
+        g = g.view(1, d_out)
+    if nonfinite and lora.numel() > 3:
+        for t, value in ((lora, float("nan")), (base, float("inf")), (d_out_t, float("-inf"))):
+            row, col = rng.randrange(t.shape[-2]), rng.randrange(d_out)
+            t.view(-1, t.shape[-2], d_out)[0, row, col] = value
+    return lora, base, d_out_t, g, scale, dtype
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_kernels_match_twins(seed):
+    lora, base, d_out_t, g, scale, dtype = _random_case(seed)
+    if g.dim() > lora.dim():
+        g = g.view(-1)
+    assert F.kernels_support(lora, base, g)
+    want = F._compose_torch(lora, base, g, scale)
+    got = F.fused_dora_compose(lora, base, g, scale, inplace=False)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert_close(got, want, equal_nan=True)
+    out, inner = F.fused_dora_forward_and_inner(lora, base, g, scale)
+    out_ref, inner_ref = F._forward_and_inner_torch(lora, base, g, scale)
+    assert_close(out, out_ref, equal_nan=True)
+    assert_close(inner, inner_ref, equal_nan=True)
+    grads = F._fused_backward(d_out_t, inner_ref, g, scale, True, True, True)
+    grads_ref = F._backward_torch(d_out_t, inner_ref, g, scale, True, True, True)
+    for a, b in zip(grads, grads_ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+    assert_close(grads[0], grads_ref[0], equal_nan=True)
+    assert_close(grads[1], grads_ref[1], equal_nan=True)
+    # d_mag sums up to thousands of products: both sum in fp32 in different orders; scale the tolerance by rows.
+    rows = max(1, lora.numel() // max(1, lora.shape[-1]))
+    assert_close(grads[2].float(), grads_ref[2].float(), dtype=g.dtype, scale=max(1.0, rows**0.5 / 4), equal_nan=True)
+    before = lora.clone()
+    in_place = F.fused_dora_compose(lora, base, g, scale, inplace=True)
+    assert in_place.data_ptr() == lora.data_ptr()
+    torch.testing.assert_close(in_place, got, rtol=0, atol=0, equal_nan=True)
+    del before
+
+
+def test_over_2_31_elements():
+    """int64 offsets: the last rows of a > 2^31-element activation are written, and correctly."""
+    d_out = 4096
+    rows = (1 << 31) // d_out + 3
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lora = torch.randn(rows, d_out, device="cuda", dtype=torch.bfloat16, generator=gen)
+    base = torch.randn(rows, d_out, device="cuda", dtype=torch.bfloat16, generator=gen)
+    g = 1 + 0.05 * torch.randn(d_out, device="cuda", generator=gen)
+    out = torch.full_like(lora, float("nan"))
+    F._compose_triton(lora, base, g, 0.5, out)
+    for sl in (slice(0, 8), slice(rows - 8, rows), slice(rows // 2, rows // 2 + 8)):
+        assert_close(out[sl], F._compose_torch(lora[sl], base[sl], g, 0.5))
+    assert not out.isnan().any()
+    d_lora, d_base, d_mag = F._fused_backward(base, lora, g, 0.5, True, True, True)
+    tail = slice(rows - 8, rows)
+    ref_tail = F._backward_torch(base[tail], lora[tail], g, 0.5, True, True, False)
+    assert_close(d_lora[tail], ref_tail[0])
+    assert_close(d_base[tail], ref_tail[1])
+    ref_mag = torch.zeros(d_out, device="cuda", dtype=torch.float64)
+    for c in range(0, rows, 1 << 16):
+        ref_mag += (lora[c : c + (1 << 16)].double() * base[c : c + (1 << 16)].double()).sum(0)
+    torch.testing.assert_close(d_mag.double(), ref_mag, rtol=1e-4, atol=1e-2 * rows**0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_d_mag_bitwise_deterministic(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    d_out_t = torch.randn(8192, 4100, device="cuda", dtype=dtype, generator=gen)
+    inner = torch.randn(8192, 4100, device="cuda", dtype=dtype, generator=gen)
+    g = 1 + 0.05 * torch.randn(4100, device="cuda", generator=gen)
+    runs = [F._fused_backward(d_out_t, inner, g, 0.5, True, False, True)[2] for _ in range(5)]
+    for r in runs[1:]:
+        assert torch.equal(r.view(torch.int32), runs[0].view(torch.int32))
+
+
+def _dora_linear(dtype, d_in=640, d_out=1000, r=16, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(d_in, d_out), nn.GELU(), nn.Linear(d_out, 130))
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["0", "2"], use_dora=True, lora_dropout=dropout,
+                        init_lora_weights=False)  # fmt: skip
+    return get_peft_model(model, config).to("cuda", dtype)
+
+
+def _reference_fp64(layer, x, weights):
+    """One DoRA Linear in fp64 from its definition: dense norm of W + s·B·A (detached), then the stable compose."""
+    W, b = (t.detach().double() for t in (layer.base_layer.weight, layer.base_layer.bias))
+    A, B, m = (t.detach().double().requires_grad_() for t in (layer.lora_A["default"].weight,
+                                                             layer.lora_B["default"].weight,
+                                                             layer.lora_magnitude_vector["default"].weight))  # fmt: skip
+    s = layer.scaling["default"]
+    g = m / (W + s * B @ A).norm(dim=1).detach()
+    xd = x.double()
+    base = xd @ W.T
+    y = base + b + (g - 1) * base + g * (s * (xd @ A.T @ B.T))
+    (y * weights).sum().backward()
+    return {"lora_A": A.grad, "lora_B": B.grad, "lora_magnitude_vector": m.grad}
+
+
+def _layer_grads(layer, x, weights):
+    layer.zero_grad(set_to_none=True)
+    (layer(x).double() * weights).sum().backward()
+    return {"lora_A": layer.lora_A["default"].weight.grad, "lora_B": layer.lora_B["default"].weight.grad,
+            "lora_magnitude_vector": layer.lora_magnitude_vector["default"].weight.grad}  # fmt: skip
+
+
+@pytest.fixture
+def fused_backward_forced(monkeypatch):
+    monkeypatch.setenv("PEFT_DORA_FUSED_BACKWARD", "1")
+    dora._invalidate_fused_cache()
+    yield
+    monkeypatch.delenv("PEFT_DORA_FUSED_BACKWARD")
+    dora._invalidate_fused_cache()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("freeze_magnitude", [False, True])
+def test_dora_linear_gradients_vs_fp64(dtype, freeze_magnitude, fused_backward_forced):
+    layer = _dora_linear(dtype).get_base_model()[0]
+    layer.lora_magnitude_vector["default"].weight.requires_grad_(not freeze_magnitude)
+    x = torch.randn(4, 77, 640, device="cuda").to(dtype)
+    weights = torch.randn(1000, device="cuda", dtype=torch.float64)
+    dora.tier_counts.clear()
+    fused = _layer_grads(layer, x, weights)
+    assert dora.tier_counts[dora.TIER_FUSED_BACKWARD] == 1 and dora.tier_counts[dora.TIER_EAGER] == 0
+    ref = _reference_fp64(layer, x, weights)
+    # The same-dtype eager tier is the yardstick: the fused tier may err at most 2x as much (+ a small floor).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PEFT_DORA_FUSED", "0")
+        dora._invalidate_fused_cache()
+        eager = _layer_grads(layer, x, weights)
+    dora._invalidate_fused_cache()
+    assert (fused["lora_magnitude_vector"] is None) is freeze_magnitude
+    for name, r in ref.items():
+        if freeze_magnitude and name == "lora_magnitude_vector":
+            continue
+        err = ((fused[name].double() - r).norm() / r.norm()).item()
+        eager_err = ((eager[name].double() - r).norm() / r.norm()).item()
+        assert err <= 2 * eager_err + TOL[dtype][1] / 10, (name, err, eager_err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_tiers_match_eager_tier(dtype):
+    model = _dora_linear(dtype, seed=3)
+    x = torch.randn(3, 50, 640, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        dora.tier_counts.clear()
+        fused = model(x)
+        assert dora.tier_counts[dora.TIER_FUSED_FORWARD] == 2
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PEFT_DORA_FUSED", "0")
+            dora._invalidate_fused_cache()
+            eager = model(x)
+        dora._invalidate_fused_cache()
+    assert_close(fused, eager)
+
+
+def _graph_breaks(module, x):
+    torch._dynamo.reset()
+    return torch._dynamo.explain(module)(x).graph_break_count
+
+
+def test_torch_compile_fullgraph_without_dropout(fused_backward_forced):
+    model = _dora_linear(torch.bfloat16, seed=4)
+    x = torch.randn(2, 64, 640, device="cuda", dtype=torch.bfloat16)
+    inner = model.get_base_model()
+    assert _graph_breaks(inner, x) == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(inner, fullgraph=True)
+    out = compiled(x)
+    out.float().sum().backward()
+    grads = {n: p.grad.clone() for n, p in inner.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    eager = inner(x)
+    eager.float().sum().backward()
+    assert_close(out, eager)
+    for n, p in inner.named_parameters():
+        if p.grad is not None:  # bf16 matmul gradients: compare as a whole, elementwise cancellation is expected
+            assert ((grads[n].float() - p.grad.float()).norm() / p.grad.float().norm()).item() < 1e-2, n
+
+
+def test_torch_compile_graph_breaks_with_dropout():
+    """Dropout takes the chunked path (base recomputed from the dropped-out x); count its graph breaks, and check the
+    compiled model still computes what eager does (eval mode: dropout off, same code path)."""
+    model = _dora_linear(torch.bfloat16, dropout=0.1, seed=5)
+    x = torch.randn(2, 64, 640, device="cuda", dtype=torch.bfloat16)
+    inner = model.get_base_model()
+    breaks = _graph_breaks(inner, x)
+    print(f"graph breaks with lora_dropout=0.1: {breaks}")
+    inner.eval()
+    with torch.no_grad():
+        torch._dynamo.reset()
+        assert_close(torch.compile(inner)(x), inner(x))
