@@ -1,4 +1,4 @@
-"""Where the host time of one fused compose call goes (tiny tensors, so the GPU idles): torch op, Triton's own
+"""Where the host time of one fused compose call goes (tiny tensors, so the GPU idles): a torch op, Triton's own
 launcher, our checks. Usage on the GPU machine: python benchmarks/host_probe.py"""
 
 import statistics
@@ -10,26 +10,41 @@ import triton
 import peft.tuners.lora.dora_fused as F
 
 
-print(F.__file__, "torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())
-lora = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16); base = torch.randn_like(lora)
-g = 1 + 0.05 * torch.randn(64, device="cuda"); out = torch.empty_like(lora)
-def t(name, fn, calls=3000):
-    for _ in range(300): fn()
-    torch.cuda.synchronize(); s = []
+def per_call_us(fn, calls=3000):
+    for _ in range(300):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
     for _ in range(5):
         t0 = time.perf_counter()
-        for _ in range(calls): fn()
-        torch.cuda.synchronize(); s.append((time.perf_counter() - t0) / calls * 1e6)
-    print(f"{name:40s} {statistics.median(s):7.2f} us")
-grid = (1,)
-k = F._compose_kernel
-args = (lora, base, g, out, out, 1, 64, 64, 64, 64, 64, 0.5)
-kw = dict(WRITE_INNER=False, BLOCK_M=1, BLOCK_N=64, num_warps=4, enable_fp_fusion=False)
-t("torch.empty_like", lambda: torch.empty_like(lora))
-t("lora.add(base) (one torch op)", lambda: lora.add(base))
-t("_layout", lambda: F._layout(lora, base, g))
-t("_policy", lambda: F._policy(1, 64))
-t("raw kernel[grid] launch", lambda: k[grid](*args, **kw))
-t("fused_dora_compose inplace=False", lambda: F.fused_dora_compose(lora, base, g, 0.5, inplace=False))
-t("fused_dora_compose inplace=True", lambda: F.fused_dora_compose(lora, base, g, 0.5, inplace=True))
-t("_compose_torch", lambda: F._compose_torch(lora, base, g, 0.5))
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def main():
+    print(F.__file__, "torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())
+    lora = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
+    base = torch.randn_like(lora)
+    g = 1 + 0.05 * torch.randn(64, device="cuda")
+    out = torch.empty_like(lora)
+    args = (lora, base, g, out, out, 1, 64, 64, 64, 64, 64, 0.5)
+    options = dict(WRITE_INNER=False, BLOCK_M=1, BLOCK_N=64, num_warps=4, enable_fp_fusion=False)
+    cases = {
+        "torch.empty_like": lambda: torch.empty_like(lora),
+        "lora.add(base) (one torch op)": lambda: lora.add(base),
+        "_layout": lambda: F._layout(lora, base, g),
+        "_policy": lambda: F._policy(1, 64),
+        "raw kernel[grid] launch": lambda: F._compose_kernel[(1,)](*args, **options),
+        "fused_dora_compose inplace=False": lambda: F.fused_dora_compose(lora, base, g, 0.5, inplace=False),
+        "fused_dora_compose inplace=True": lambda: F.fused_dora_compose(lora, base, g, 0.5, inplace=True),
+        "_compose_torch": lambda: F._compose_torch(lora, base, g, 0.5),
+    }
+    for name, fn in cases.items():
+        print(f"{name:40s} {per_call_us(fn):7.2f} us")
+
+
+if __name__ == "__main__":
+    main()
