@@ -41,7 +41,7 @@ class Net(nn.Module):
         self.head = nn.Linear(head_in, 5)
 
     def forward(self, x):
-        return self.head(self.layer(x).flatten(1) if x.dim() == 4 else self.layer(x))
+        return self.head(self.layer(x).flatten(1) if x.is_floating_point() and x.dim() > 3 else self.layer(x))
 
 
 def build_base(kind):
@@ -52,6 +52,10 @@ def build_base(kind):
         return Net(nn.Embedding(50, 16), 16), torch.randint(0, 50, (3, 7))
     if kind == "conv2d":
         return Net(nn.Conv2d(3, 6, 3, bias=True), 6 * 6 * 6), torch.randn(2, 3, 8, 8)
+    if kind == "conv1d":
+        return Net(nn.Conv1d(4, 6, 3, bias=True), 5), torch.randn(2, 4, 7)
+    if kind == "conv3d":
+        return Net(nn.Conv3d(2, 4, 2, bias=False), 4 * 3 * 3 * 3), torch.randn(2, 2, 4, 4, 4)
     if kind == "gpt2_conv1d":
         return Net(Conv1D(24, 16), 24), torch.randn(3, 7, 16)
     raise ValueError(kind)
@@ -98,7 +102,7 @@ for kind in kinds:
 print(json.dumps({"peft": peft.__file__, "dora": dora.__file__, "version": peft.__version__}))
 '''
 
-KINDS = ["linear", "embedding", "conv2d", "gpt2_conv1d"]
+KINDS = ["linear", "embedding", "conv1d", "conv2d", "conv3d", "gpt2_conv1d"]
 _models: dict = {}
 exec(MODELS, _models)
 
