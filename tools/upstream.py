@@ -12,6 +12,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -74,6 +75,23 @@ def wheel() -> Path:
 
 def sdist() -> Path:
     return fetch(SDIST_NAME)
+
+
+def extract_sdist(dest: Path, *subdirs: str) -> Path:
+    """Extract `subdirs` (e.g. "src/peft", "tests") of the pinned sdist into `dest`, without the top-level
+    `peft-<version>/` folder; return `dest`."""
+    top = f"peft-{UPSTREAM_VERSION}/"
+    wanted = tuple(top + s.strip("/") + "/" for s in subdirs)
+    dest = Path(dest)
+    with tarfile.open(sdist()) as tf:
+        members = []
+        for m in tf.getmembers():
+            if not (m.isfile() or m.isdir()) or not m.name.startswith(wanted):
+                continue
+            m.name = m.name[len(top):]
+            members.append(m)
+        tf.extractall(dest, members, filter="data")
+    return dest
 
 
 if __name__ == "__main__":

@@ -239,6 +239,8 @@ def factored_row_norm(
     scale = float(scale)
     device = weight.device
     acc = _acc_dtype(weight)
+    if device.type == "meta":  # low_cpu_mem_usage: shapes only, values come with the state dict
+        return torch.empty(d_out, device=device, dtype=acc)
     with torch.autocast(device_type=device.type, enabled=False):
         if scale == 0.0:
             return (row_sq_norm(weight, budget) if w_sq is None else w_sq).sqrt()

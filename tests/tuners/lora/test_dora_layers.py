@@ -197,3 +197,16 @@ def test_dequantized_base_weight_is_used():
     delta = layer(x, lora_A=lora_A, lora_B=lora_B, scaling=0.5, base_layer=quant, base_result=quant(x))
     ref = 0.5 * lora_B(lora_A(x))  # g == 1 right after init: the delta is plain LoRA
     assert_close(delta, ref)
+
+
+def test_low_cpu_mem_usage_leaves_the_magnitude_on_meta():
+    from peft import inject_adapter_in_model
+
+    model = nn.Sequential(nn.Linear(16, 8), nn.Embedding(10, 8), nn.Conv2d(3, 4, 3))
+    config = LoraConfig(target_modules=["0", "1", "2"], use_dora=True)
+    inject_adapter_in_model(config, model, low_cpu_mem_usage=True)
+    for module in (model[0], model[1], model[2]):
+        magnitude = module.lora_magnitude_vector["default"].weight
+        assert magnitude.device.type == "meta"
+    assert model[0].lora_magnitude_vector["default"].weight.shape == (8,)
+    assert model[2].lora_magnitude_vector["default"].weight.shape == (1, 4, 1, 1)
