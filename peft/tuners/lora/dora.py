@@ -337,9 +337,11 @@ def _identity_tracked(tensors) -> bool:
     """True when every change of these tensors' values shows in their version counter or storage.
 
     Sharded or wrapped parameters (DeepSpeed ZeRO-3, DTensor/FSDP2, quantized parameter classes) are re-gathered or
-    re-materialised behind PyTorch's back.
+    re-materialised behind PyTorch's back; inference tensors have no version counter.
     """
-    return all(type(t) in (torch.Tensor, nn.Parameter) and not hasattr(t, "ds_id") for t in tensors)
+    return all(
+        type(t) in (torch.Tensor, nn.Parameter) and not hasattr(t, "ds_id") and not t.is_inference() for t in tensors
+    )
 
 
 class _Memo:
@@ -408,6 +410,8 @@ def _memoised(memo: _Memo, what: str, sources, compute, extra=()) -> torch.Tenso
             norm_counts[what + "_reused"] += 1
             return hit
     norm_counts[what + "_computed"] += 1
+    if torch.is_inference_mode_enabled():
+        return compute()  # an inference tensor must not reach a later forward that autograd records
     return memo.put(sources, compute(), extra)
 
 

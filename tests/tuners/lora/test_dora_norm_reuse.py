@@ -252,3 +252,16 @@ def test_invalid_norm_cache_value(norm_cache):
     norm_cache("sometimes")
     with pytest.raises(ValueError, match="PEFT_DORA_NORM_CACHE"):
         build("linear", bias=True, dropout=0.0)(torch.randn(1, 24))
+
+
+@pytest.mark.parametrize("mode", [None, "1"])
+def test_inference_mode_then_training(norm_cache, mode):
+    norm_cache(mode)
+    model, wrapper = checkpointed_model()
+    x = torch.randn(4, 24)
+    with torch.inference_mode():
+        first = model(x)
+        again = model(x)
+    assert_close(again, first, scale=0)
+    wrapper(x).sum().backward()  # no inference tensor may leak into the autograd graph
+    assert lin0(model).lora_magnitude_vector["default"].weight.grad is not None
