@@ -207,14 +207,28 @@ def resolve_config(args) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+WHEEL_PATTERNS = {"ours": ("peft-*+dora*.whl", "ours*.whl"), "upstream": ("peft-0.21.2-py3-none-any.whl",
+                                                                         "upstream*.whl")}
+
+
 def find_wheel(explicit, which: str) -> Path:
     if explicit:
         return Path(explicit)
-    pattern = "peft-*+dora*.whl" if which == "ours" else "peft-0.21.2-py3-none-any.whl"
-    hits = sorted(glob.glob(str(REPO / ".carry-bench" / pattern)))
-    if not hits:
-        raise SystemExit(f"no {which} wheel: pass --{which}-wheel or put {pattern} into .carry-bench/")
-    return Path(hits[-1])
+    for pattern in WHEEL_PATTERNS[which]:
+        hits = sorted(glob.glob(str(REPO / ".carry-bench" / pattern)))
+        if hits:
+            return Path(hits[-1])
+    raise SystemExit(f"no {which} wheel: pass --{which}-wheel or put {WHEEL_PATTERNS[which][0]} into .carry-bench/")
+
+
+def _wheel_filename(wheel: Path) -> str:
+    """The wheel's canonical file name from its own metadata, so a renamed copy (e.g. ``ours.whl``) installs."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+        fields = dict(line.split(": ", 1) for line in zf.read(meta).decode().splitlines() if ": " in line)
+    return f"{fields['Name']}-{fields['Version']}-py3-none-any.whl"
 
 
 def install(wheel: Path, target_root: Path) -> Path:
@@ -229,8 +243,11 @@ def install(wheel: Path, target_root: Path) -> Path:
         return target
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    named = target_root / "wheels" / _wheel_filename(wheel)
+    named.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(wheel, named)
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
-           "--target", str(tmp), str(wheel)]
+           "--target", str(tmp), str(named)]
     subprocess.run(cmd, check=True)
     (tmp / ".installed").write_text(wheel.name)
     shutil.rmtree(target, ignore_errors=True)
@@ -556,6 +573,15 @@ def merge_docs(docs: list) -> dict:
     return out
 
 
+def scrub(text: str, places: dict) -> str:
+    """Replace machine paths (install targets, work dir, repo, site-packages) by placeholders."""
+    import re
+
+    for label, place in places.items():
+        text = text.replace(str(place), f"<{label}>")
+    return re.sub(r"/[^\s\"']*/(site|dist)-packages/", "<site-packages>/", text)
+
+
 def write_doc(doc: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
@@ -589,6 +615,8 @@ def print_summary(doc: dict) -> None:
         print(f"ERROR {e.get('impl')} {e.get('modes')} {e['task']}: {e['error'].strip().splitlines()[-1]}")
     for s in doc["skipped"]:
         print(f"SKIPPED {s}")
+    for w in doc.get("warnings", []):
+        print(f"WARNING {w}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -596,8 +624,21 @@ def print_summary(doc: dict) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def tier_warnings(doc: dict) -> list:
+    """Flag runs whose dispatch tiers contradict their label (e.g. "fused" that composed only eagerly)."""
+    out = []
+    for r in doc["speed"]:
+        tiers = set(r.get("tiers") or {})
+        if r["impl"] == "ours_eager" and tiers - {"eager"}:
+            out.append(f"ours_eager {r['mode']} r={r['rank']} {r['measure']} ran tiers {sorted(tiers)}")
+        if r["impl"] == "ours_fused" and doc["kind"] == "gpu" and tiers and not tiers - {"eager"}:
+            out.append(f"ours_fused {r['mode']} r={r['rank']} {r['measure']} ran only the eager tier")
+    return out
+
+
 def finish(doc: dict, out_path: Path, plots: bool) -> None:
     doc["convergence"]["metrics"] = convergence_metrics(doc["convergence"]["losses"])
+    doc["warnings"] = tier_warnings(doc)
     write_doc(doc, out_path)
     if plots:
         import plot_model
@@ -627,7 +668,8 @@ def run(args, argv) -> int:
     wheels = {which: find_wheel(getattr(args, f"{which}_wheel"), which) for which in ("ours", "upstream")}
     needed = {IMPLS[j["impl"]]["wheel"] for j in jobs}
     targets = {w: install(wheels[w], Path(args.target_root)) for w in needed}
-    doc = new_doc(cfg, argv)
+    places = {"targets": Path(args.target_root).resolve(), "workdir": workdir.resolve(), "repo": REPO}
+    doc = new_doc(cfg, [Path(a).name if os.sep in a else a for a in argv])
     doc["env"] = environment(cfg["device"], {})
     doc["wheels"] = {w: wheels[w].name for w in needed}
     fidelity_files = {}
@@ -639,6 +681,8 @@ def run(args, argv) -> int:
             doc["skipped"].append({"impl": job["impl"], "tasks": job["tasks"], "modes": job["modes"]})
             continue
         result = run_job(job, cfg, targets, workdir, None if deadline is None else deadline - elapsed)
+        for e in result.get("errors", []):
+            e["error"] = scrub(e["error"], places)
         absorb(doc, result, fidelity_files)
         if fidelity_files:
             doc["fidelity"] = {"rank": cfg["fidelity"]["rank"], "metrics": fidelity_metrics(fidelity_files)}

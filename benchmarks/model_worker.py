@@ -70,6 +70,10 @@ def check_peft(impl: dict) -> dict:
     }
 
 
+def _delta(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
 def tier_counts() -> dict:
     from peft.tuners.lora import dora
 
@@ -227,8 +231,7 @@ def measure(fn, device, warmup: int, repeats: int, before=None) -> dict:
             fn()
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() - static
-    counts1 = tier_counts()
-    tiers = {k: v - counts0.get(k, 0) for k, v in counts1.items() if v - counts0.get(k, 0)}
+    tiers = _delta(counts0, tier_counts())
     out = summary(samples)
     out["peak_delta_mb"] = None if peak is None else peak / 2**20
     out["static_mb"] = None if static is None else static / 2**20
@@ -245,13 +248,13 @@ def speed_rank(model, cfg, mode, device, measures, warmup, repeats) -> dict:
 
     def train_step():
         with ctx():
-            loss = model(input_ids=ids, labels=labels).loss
+            loss = model(input_ids=ids, labels=labels, use_cache=False).loss
         loss.backward()
 
     def train_accum():
         for _ in range(ACCUM_STEPS):
             with ctx():
-                loss = model(input_ids=ids, labels=labels).loss / ACCUM_STEPS
+                loss = model(input_ids=ids, labels=labels, use_cache=False).loss / ACCUM_STEPS
             loss.backward()
 
     model.train()
@@ -302,8 +305,8 @@ def speed_rank(model, cfg, mode, device, measures, warmup, repeats) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def task_speed(spec, impl, cfg, device) -> list:
-    records = []
+def task_speed(spec, impl, cfg, device, records: list, flush) -> list:
+    """Every measure at every rank; ``records`` grows and is flushed after each rank (a timeout keeps them)."""
     for mode in spec["modes"]:
         base = build_base(cfg, device, torch.bfloat16)
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -314,6 +317,7 @@ def task_speed(spec, impl, cfg, device) -> list:
             res = speed_rank(model, cfg, mode, device, spec["measures"], spec["warmup"], spec["repeats"])
             for measure_name, r in res.items():
                 records.append({"impl": impl["name"], "mode": mode, "rank": rank, "measure": measure_name, **r})
+            flush()
             line = ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in res.items())
             print(f"[{impl['name']}] {mode} r={rank}: {line} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
             base = model.unload()  # the base model without adapter layers, for the next rank
@@ -347,7 +351,7 @@ def task_fidelity(spec, impl, cfg, device, workdir: Path) -> dict:
         seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
         model.train()
         with precision_ctx(mode, device):
-            out = model(input_ids=ids, labels=labels)
+            out = model(input_ids=ids, labels=labels, use_cache=False)
         out.loss.backward()
         grads = {"lora_A": [], "lora_B": [], "magnitude": []}
         for name, p in sorted(model.named_parameters()):
@@ -357,7 +361,7 @@ def task_fidelity(spec, impl, cfg, device, workdir: Path) -> dict:
             full = kind == "magnitude"  # [d_out] per module: small enough to keep whole
             grads[kind].append(p.grad.float().reshape(-1).cpu() if full else _sample(p.grad, fid["grad_sample"]))
         payload = {
-            "logits": out.logits[0, rows.to(device)].float().cpu(),
+            "logits": out.logits[0, rows.to(device)].detach().float().cpu(),
             "loss": out.loss.item(),
             "grads": {k: torch.cat(v) if v else torch.empty(0) for k, v in grads.items()},
             "dtype": str(dtype),
@@ -376,7 +380,7 @@ def task_convergence(spec, impl, cfg, device) -> dict:
     ccfg = dict(cfg, config_kwargs=conv["config_kwargs"])
     vocab = conv["config_kwargs"]["vocab_size"]
     mode = conv["mode"]
-    runs = {}
+    runs, counts0 = {}, tier_counts()
     for seed in conv["seeds"]:
         ccfg["seed"] = seed
         base = build_base(ccfg, device, torch.float32 if mode == "fp32" else torch.bfloat16)
@@ -392,7 +396,7 @@ def task_convergence(spec, impl, cfg, device) -> dict:
             stride = torch.randint(1, 4, (conv["batch"], 1), generator=gen)
             batch = ((start + stride * torch.arange(conv["seq"])) % vocab).to(device)
             with precision_ctx(mode, device):
-                loss = model(input_ids=batch, labels=batch).loss
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -404,11 +408,29 @@ def task_convergence(spec, impl, cfg, device) -> dict:
         )
         runs[str(seed)] = losses
         release(model, base, opt)
-    return {"losses": runs, "tiers": tier_counts()}
+    return {"losses": runs, "tiers": _delta(counts0, tier_counts())}
 
 
 # Names of the profiler ranges put around the DoRA pieces; the rest of a step is the base model.
 COMPONENTS = {"dora.norm": "norm", "dora.compose": "compose", "lora.A": "lora_A", "lora.B": "lora_B"}
+# Kernel (or, on CPU, op) name patterns for a coarse split of the step's time; first match wins.
+KERNEL_CLASSES = (
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("triton", r"triton"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|sm90_|aten::mm|aten::addmm|aten::bmm|aten::linear"),
+    ("reduction", r"reduce|norm|sum"),
+    ("copy_cast", r"copy|memcpy|memset|cast|fill"),
+    ("elementwise", r"elementwise|vectorized|aten::(mul|add|sub|div)"),
+)
+
+
+def kernel_class(name: str) -> str:
+    import re
+
+    for label, pattern in KERNEL_CLASSES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
 
 
 def _annotate(model) -> None:
@@ -455,11 +477,12 @@ def task_profile(spec, impl, cfg, device) -> dict:
     def step():
         model.zero_grad(set_to_none=True)
         with precision_ctx(mode, device):
-            loss = model(input_ids=ids, labels=labels).loss
+            loss = model(input_ids=ids, labels=labels, use_cache=False).loss
         loss.backward()
 
     for _ in range(2):
         step()
+    counts0 = tier_counts()
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
@@ -493,6 +516,9 @@ def task_profile(spec, impl, cfg, device) -> dict:
     if cuda and not kernels:
         raise RuntimeError("the profiler recorded no CUDA kernels")
     kernels.sort(key=lambda k: -k["ms"])
+    classes = {}
+    for k in kernels:
+        classes[kernel_class(k["name"])] = classes.get(kernel_class(k["name"]), 0.0) + k["ms"]
     return {
         "mode": mode,
         "rank": prof_spec["rank"],
@@ -500,8 +526,9 @@ def task_profile(spec, impl, cfg, device) -> dict:
         "total_ms": total_ms,
         "components_forward_ms": components,
         "component_calls": calls,
+        "by_kernel_class_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
         "top_kernels": kernels[: prof_spec["top"]],
-        "tiers": tier_counts(),
+        "tiers": _delta(counts0, tier_counts()),
     }
 
 
@@ -518,8 +545,12 @@ def main(spec_path: str) -> int:
         print(result["errors"][-1]["error"], file=sys.stderr)
         return 2
     workdir = Path(spec["workdir"])
+
+    def flush():
+        Path(spec["result"]).write_text(json.dumps(result))
+
     tasks = {
-        "speed": lambda: task_speed(spec, impl, cfg, device),
+        "speed": lambda: task_speed(spec, impl, cfg, device, result.setdefault("speed", []), flush),
         "fidelity": lambda: task_fidelity(spec, impl, cfg, device, workdir),
         "convergence": lambda: task_convergence(spec, impl, cfg, device),
         "profile": lambda: task_profile(spec, impl, cfg, device),
@@ -532,7 +563,7 @@ def main(spec_path: str) -> int:
             print(err, file=sys.stderr, flush=True)
             result["errors"].append({"task": task, "error": err[-3000:]})
             release()
-        Path(spec["result"]).write_text(json.dumps(result))  # after every task, so a timeout keeps what ran
+        flush()  # after every task, so a timeout keeps what ran
     return 1 if result["errors"] else 0
 
 
