@@ -84,6 +84,10 @@ def parse_args(argv=None):
     a("--device", default="cuda")
     a("--layers", type=int, help="decoder layers (default 8; tiny 2)")
     a("--vocab", type=int, help="vocabulary (default 32000; tiny 512)")
+    a("--hidden", type=int, help="override the preset's hidden size")
+    a("--intermediate", type=int, help="override the preset's intermediate size")
+    a("--heads", type=int, help="override the preset's attention heads (head_dim = hidden / heads)")
+    a("--kv-heads", type=int, help="override the preset's KV heads")
     a("--seq", type=int, help="sequence length (default 4096; tiny 64)")
     a("--loss-tokens", type=int, help="loss on the last N tokens (default 1024; tiny 16)")
     a("--batch", type=int, default=1)
@@ -142,6 +146,11 @@ def resolve_config(args) -> dict:
     preset = dict(PRESETS[args.preset])
     config_class, model_class = preset.pop("config_class"), preset.pop("model_class")
     dims = dict(preset, **TINY) if tiny else preset
+    overrides = {"hidden_size": args.hidden, "intermediate_size": args.intermediate,
+                 "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads}
+    dims.update({k: v for k, v in overrides.items() if v is not None})
+    if args.hidden or args.heads:
+        dims["head_dim"] = dims["hidden_size"] // dims["num_attention_heads"]
     seq = pick(args.seq, 4096, 64)
     config_kwargs = dict(
         dims,

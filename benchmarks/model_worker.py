@@ -347,6 +347,7 @@ def task_fidelity(spec, impl, cfg, device, workdir: Path) -> dict:
         base = build_base(cfg, device, torch.bfloat16)
         if mode == "fp32":
             base = base.float()  # the same bf16-initialised weights, exactly, in fp32
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = wrap(base, cfg, fid["rank"], impl, mode)
         seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
         model.train()
