@@ -15,7 +15,8 @@ IMPL_ORDER = ("upstream", "ours_eager", "ours_fused", "lora")
 IMPL_LABEL = {"upstream": "upstream PEFT DoRA", "ours_eager": "ours (eager)", "ours_fused": "ours (fused)",
               "lora": "plain LoRA"}
 PANELS = (("train", "training step"), ("train_accum4", "training, 4-step accumulation"),
-          ("infer", "inference forward"), ("decode_per_token", "decode, per token"))
+          ("infer", "inference forward"), ("decode_per_token", "decode, per token"),
+          ("decode_per_token_cached", "decode, per token, DoraCaching"))
 
 
 def _title(doc: dict, what: str) -> str:
