@@ -49,6 +49,7 @@ IMPLS = {
 DORA_IMPLS = ("upstream", "ours_eager", "ours_fused")
 MODES = ("autocast", "bf16")
 MEASURES = ("train", "train_accum4", "infer", "decode")
+EXTRA_MEASURES = ("decode_cached",)  # opt-in: decode under peft.helpers.DoraCaching
 TASKS = ("speed", "fidelity", "convergence", "profile")
 
 PRESETS = {
@@ -94,7 +95,7 @@ def parse_args(argv=None):
     a("--ranks", help="comma list (default 64,384,768; tiny 4,8)")
     a("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
     a("--modes", default=",".join(MODES), help="comma list of autocast, bf16")
-    a("--measures", default=",".join(MEASURES), help=f"comma list of {', '.join(MEASURES)}")
+    a("--measures", default=",".join(MEASURES), help=f"comma list of {', '.join(MEASURES + EXTRA_MEASURES)}")
     a("--tasks", default="speed,fidelity,convergence", help=f"comma list of {', '.join(TASKS)}")
     a("--profile", action="store_true", help="add the profile task (ours fused vs plain LoRA, one training step)")
     a("--profile-impls", default="ours_fused,lora")
@@ -184,7 +185,7 @@ def resolve_config(args) -> dict:
         "ranks": ranks,
         "impls": _names(args.impls, IMPLS),
         "modes": _names(args.modes, MODES),
-        "measures": _names(args.measures, MEASURES),
+        "measures": _names(args.measures, MEASURES + EXTRA_MEASURES),
         "tasks": tasks,
         "repeats": pick(args.repeats, 5, 2),
         "warmup": args.warmup,
@@ -311,9 +312,9 @@ def estimate_s(cfg: dict, job: dict) -> float:
             meas = cfg["measures"]
             total += reps * 3 * fwd * ("train" in meas) + reps * 12 * fwd * ("train_accum4" in meas)
             total += reps * fwd * ("infer" in meas)
-            if "decode" in meas:
-                per_tok = DECODE_S_PER_TOKEN_PER_LAYER * layers + dense_norm / EFFECTIVE_FLOPS
-                total += (cfg["repeats"] + 1) * m["new_tokens"] * per_tok
+            per_tok = DECODE_S_PER_TOKEN_PER_LAYER * layers + dense_norm / EFFECTIVE_FLOPS
+            total += ("decode" in meas) * (cfg["repeats"] + 1) * m["new_tokens"] * per_tok
+            total += ("decode_cached" in meas) * (cfg["repeats"] + 1) * m["new_tokens"] * per_tok / 2
     if "fidelity" in job["tasks"]:
         total += 3 * (STARTUP_S / 2)
     if "convergence" in job["tasks"]:
@@ -605,7 +606,7 @@ def print_summary(doc: dict) -> None:
         for r in sorted({r["rank"] for r in doc["speed"]}):
             for impl in IMPLS:
                 cells = []
-                for m in ("train", "train_accum4", "infer", "decode_per_token"):
+                for m in ("train", "train_accum4", "infer", "decode_per_token", "decode_per_token_cached"):
                     t = speed_value(doc, impl, mode, m, r)
                     p = speed_value(doc, impl, mode, m, r, "peak_delta_mb")
                     if t is not None:

@@ -274,30 +274,41 @@ def speed_rank(model, cfg, mode, device, measures, warmup, repeats) -> dict:
                 model(input_ids=ids, use_cache=False)
 
         results["infer"] = measure(infer, device, warmup, repeats)
-    if "decode" in measures:
-        prompt = ids[:, : cfg["prompt_tokens"]]
-        new = cfg["new_tokens"]
-
-        @torch.no_grad()
-        def prefill():
-            with ctx():
-                model(input_ids=prompt, use_cache=True)
-
-        @torch.no_grad()
-        def generate():
-            with ctx():
-                out = model.generate(input_ids=prompt, max_new_tokens=new, do_sample=False, use_cache=True)
-            if out.shape[1] != prompt.shape[1] + new:
-                raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} new tokens, not {new}")
-
-        results["prefill"] = measure(prefill, device, warmup, repeats)
-        results["generate"] = measure(generate, device, 1, repeats)
-        pre, gen = results["prefill"], results["generate"]
-        per_tok = [(g - pre["median_ms"]) / new for g in gen["samples_ms"]]
-        results["decode_per_token"] = summary(per_tok)
-        results["decode_per_token"].update(peak_delta_mb=gen["peak_delta_mb"], static_mb=gen["static_mb"])
+    for name, suffix in (("decode", ""), ("decode_cached", "_cached")):
+        if name in measures:
+            results.update(decode(model, ids, cfg, ctx, device, warmup, repeats, suffix))
     model.train()
     return results
+
+
+def decode(model, ids, cfg, ctx, device, warmup, repeats, suffix: str) -> dict:
+    """Prefill and KV-cached greedy generation; per-token decode = (generate - median prefill) / new tokens.
+
+    ``suffix`` "_cached" runs both under ``peft.helpers.DoraCaching`` (the norm is computed once, then reused).
+    """
+    from peft.helpers import DoraCaching
+
+    caching = DoraCaching if suffix else contextlib.nullcontext
+    prompt = ids[:, : cfg["prompt_tokens"]]
+    new = cfg["new_tokens"]
+
+    @torch.no_grad()
+    def prefill():
+        with ctx(), caching():
+            model(input_ids=prompt, use_cache=True)
+
+    @torch.no_grad()
+    def generate():
+        with ctx(), caching():
+            out = model.generate(input_ids=prompt, max_new_tokens=new, do_sample=False, use_cache=True)
+        if out.shape[1] != prompt.shape[1] + new:
+            raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} new tokens, not {new}")
+
+    pre = measure(prefill, device, warmup, repeats)
+    gen = measure(generate, device, 1, repeats)
+    per_tok = summary([(g - pre["median_ms"]) / new for g in gen["samples_ms"]])
+    per_tok.update(peak_delta_mb=gen["peak_delta_mb"], static_mb=gen["static_mb"], tiers=gen["tiers"])
+    return {f"prefill{suffix}": pre, f"generate{suffix}": gen, f"decode_per_token{suffix}": per_tok}
 
 
 # ---------------------------------------------------------------------------------------------------------------
