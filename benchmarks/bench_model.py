@@ -105,6 +105,8 @@ def parse_args(argv=None):
     a("--new-tokens", type=int, help="generated tokens (default 128; tiny 8)")
     a("--headline-rank", type=int, help="rank for the headline ratios (default 384; tiny 8)")
     a("--fidelity-rank", type=int, help="rank for the fidelity runs (default: the headline rank)")
+    a("--grad-sample", type=int, default=65536,
+      help="evenly spaced elements kept per lora_A/lora_B gradient for the cosines; 0 keeps all (exact, ~1 GB/run)")
     a("--conv-steps", type=int, help="convergence steps (default 500; tiny 20)")
     a("--conv-seeds", default="0,1")
     a("--conv-rank", type=int, help="convergence rank (default 64; tiny 8)")
@@ -193,7 +195,7 @@ def resolve_config(args) -> dict:
         "fidelity": {
             "rank": args.fidelity_rank or headline_rank,
             "rows": 64 if not tiny else 8,  # logits rows kept, evenly spaced over the loss window
-            "grad_sample": 4096 if not tiny else 1 << 20,  # sampled elements per lora_A/lora_B gradient
+            "grad_sample": args.grad_sample,  # per lora_A/lora_B gradient; 0 = all
             "modes": ["autocast", "bf16", "fp32"],
         },
         "convergence": {

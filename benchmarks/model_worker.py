@@ -338,9 +338,9 @@ def task_speed(spec, impl, cfg, device, records: list, flush) -> list:
 
 
 def _sample(t: torch.Tensor, k: int) -> torch.Tensor:
-    """``k`` evenly spaced elements of the flattened tensor (all of it when smaller), in fp32 on the CPU."""
+    """``k`` evenly spaced elements of the flattened tensor (all of it when smaller or ``k`` is 0), fp32, CPU."""
     flat = t.detach().reshape(-1)
-    if flat.numel() > k:
+    if 0 < k < flat.numel():
         flat = flat[torch.linspace(0, flat.numel() - 1, k, device=flat.device).long()]
     return flat.float().cpu()
 
