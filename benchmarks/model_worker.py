@@ -516,15 +516,23 @@ def task_profile(spec, impl, cfg, device) -> dict:
         if evt.name in COMPONENTS and evt.device_type == torch.autograd.DeviceType.CPU:
             components[COMPONENTS[evt.name]] += dev_time(evt) / 1e3
             calls[COMPONENTS[evt.name]] += 1
-    kernels = []
-    total_ms = 0.0
-    for row in prof.key_averages():
-        t = (getattr(row, "self_device_time_total", None) or getattr(row, "self_cuda_time_total", 0.0)) if cuda \
-            else row.self_cpu_time_total
-        if row.key in COMPONENTS or (cuda and row.device_type != torch.autograd.DeviceType.CUDA):
-            continue
-        total_ms += t / 1e3
-        kernels.append({"name": row.key[:160], "ms": t / 1e3, "count": row.count})
+    # Per name: (ms, count). On a GPU, the kernels themselves (user-annotation ranges on the device timeline are
+    # not kernels); on a CPU, each op's self time.
+    per_name: dict = {}
+    if cuda:
+        for evt in events:
+            if evt.device_type != torch.autograd.DeviceType.CUDA or getattr(evt, "is_user_annotation", False):
+                continue
+            if evt.name in COMPONENTS:
+                continue
+            ms, n = per_name.get(evt.name, (0.0, 0))
+            per_name[evt.name] = (ms + evt.time_range.elapsed_us() / 1e3, n + 1)
+    else:
+        for row in prof.key_averages():
+            if row.key not in COMPONENTS:
+                per_name[row.key] = (row.self_cpu_time_total / 1e3, row.count)
+    kernels = [{"name": k[:160], "ms": ms, "count": n} for k, (ms, n) in per_name.items()]
+    total_ms = sum(k["ms"] for k in kernels)
     if cuda and not kernels:
         raise RuntimeError("the profiler recorded no CUDA kernels")
     kernels.sort(key=lambda k: -k["ms"])
