@@ -1,0 +1,732 @@
+"""Model benchmark: upstream PEFT 0.21.2 DoRA vs ours (eager, fused) vs plain LoRA on a real-size decoder.
+
+A Llama-architecture model (or ``--preset qwen`` / ``gemma``) is built from a config with seeded random weights in
+bf16, with gradient checkpointing, and wrapped with ``LoraConfig(r, lora_alpha=r/2, use_rslora=True,
+use_dora=True)`` on all seven projections. Every implementation runs in its own subprocess (fresh CUDA context,
+clean import) from its own ``pip install --target`` directory, and each (implementation, precision mode) pair gets
+a fresh process. Measures: training step, the same with 4-step gradient accumulation, inference forward, prefill
+and KV-cached generation (decode latency per token), each with peak memory over the static allocation; plus
+logits/gradient fidelity against an fp32 run, a 500-step convergence comparison on a small model, and an optional
+profile. The parent writes one JSON (and plots) and can merge partial JSONs and update ``results/headline.json``.
+
+    # the whole benchmark on a GPU (see benchmarks/README.md for the split into device calls)
+    python benchmarks/bench_model.py --ours-wheel W1 --upstream-wheel W2 --out-dir OUT --profile
+    python benchmarks/bench_model.py --tiny --device cpu          # every code path on CPU in a few minutes
+    python benchmarks/bench_model.py --merge a.json b.json -o model.json
+    python benchmarks/bench_model.py --headline model.json        # update results/headline.json from a JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+WORKER = HERE / "model_worker.py"
+SCHEMA = "bench_model/1"
+
+IMPLS = {
+    # name: which wheel, is it our DoRA, use_dora, PEFT_DORA_FUSED in the subprocess (None = unset)
+    "upstream": {"wheel": "upstream", "ours": False, "dora": True, "fused_env": None},
+    "ours_eager": {"wheel": "ours", "ours": True, "dora": True, "fused_env": "0"},
+    "ours_fused": {"wheel": "ours", "ours": True, "dora": True, "fused_env": None},
+    "lora": {"wheel": "upstream", "ours": False, "dora": False, "fused_env": None},
+}
+DORA_IMPLS = ("upstream", "ours_eager", "ours_fused")
+MODES = ("autocast", "bf16")
+MEASURES = ("train", "train_accum4", "infer", "decode")
+EXTRA_MEASURES = ("decode_cached",)  # opt-in: decode under peft.helpers.DoraCaching
+TASKS = ("speed", "fidelity", "convergence", "profile")
+
+PRESETS = {
+    "llama": {
+        "config_class": "LlamaConfig", "model_class": "LlamaForCausalLM",
+        "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+    },
+    "qwen": {
+        "config_class": "Qwen2Config", "model_class": "Qwen2ForCausalLM",
+        "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
+    },
+    # Gemma (7B-like dims): embeddings scaled by sqrt(hidden), head_dim 256, tied embeddings.
+    "gemma": {
+        "config_class": "GemmaConfig", "model_class": "GemmaForCausalLM",
+        "hidden_size": 3072, "intermediate_size": 24576, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "head_dim": 256,
+    },
+}
+TINY = {"hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configuration.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--preset", choices=sorted(PRESETS), default="llama")
+    a("--tiny", action="store_true", help="tiny dims, ranks 4,8, 2 repeats, 20 convergence steps (CPU smoke)")
+    a("--device", default="cuda")
+    a("--layers", type=int, help="decoder layers (default 8; tiny 2)")
+    a("--vocab", type=int, help="vocabulary (default 32000; tiny 512)")
+    a("--hidden", type=int, help="override the preset's hidden size")
+    a("--intermediate", type=int, help="override the preset's intermediate size")
+    a("--heads", type=int, help="override the preset's attention heads (head_dim = hidden / heads)")
+    a("--kv-heads", type=int, help="override the preset's KV heads")
+    a("--seq", type=int, help="sequence length (default 4096; tiny 64)")
+    a("--loss-tokens", type=int, help="loss on the last N tokens (default 1024; tiny 16)")
+    a("--batch", type=int, default=1)
+    a("--ranks", help="comma list (default 64,384,768; tiny 4,8)")
+    a("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
+    a("--modes", default=",".join(MODES), help="comma list of autocast, bf16")
+    a("--measures", default=",".join(MEASURES), help=f"comma list of {', '.join(MEASURES + EXTRA_MEASURES)}")
+    a("--tasks", default="speed,fidelity,convergence", help=f"comma list of {', '.join(TASKS)}")
+    a("--profile", action="store_true", help="add the profile task (ours fused vs plain LoRA, one training step)")
+    a("--profile-impls", default="ours_fused,lora")
+    a("--repeats", type=int, help="timed repeats per measure (default 5; tiny 2)")
+    a("--warmup", type=int, default=2)
+    a("--prompt-tokens", type=int, help="generation prompt (default 128; tiny 16)")
+    a("--new-tokens", type=int, help="generated tokens (default 128; tiny 8)")
+    a("--headline-rank", type=int, help="rank for the headline ratios (default 384; tiny 8)")
+    a("--fidelity-rank", type=int, help="rank for the fidelity runs (default: the headline rank)")
+    a("--grad-sample", type=int, default=65536,
+      help="evenly spaced elements kept per lora_A/lora_B gradient for the cosines; 0 keeps all (exact, ~1 GB/run)")
+    a("--conv-steps", type=int, help="convergence steps (default 500; tiny 20)")
+    a("--conv-seeds", default="0,1")
+    a("--conv-rank", type=int, help="convergence rank (default 64; tiny 8)")
+    a("--seed", type=int, default=0)
+    a("--ours-wheel", help="our built wheel, or a directory holding an install of it (default: .carry-bench/)")
+    a("--upstream-wheel", help="the pinned upstream wheel or an install directory (default: .carry-bench/)")
+    a("--target-root", default="/tmp/peft_bench_targets", help="where each wheel is pip-installed (--target)")
+    a("--workdir", default="/tmp/peft_bench_work", help="subprocess specs, logits and gradients (.pt)")
+    a("--out-dir", help="JSON and PNGs (default benchmarks/results, or results/cpu_smoke off the GPU)")
+    a("--out", help="JSON file name (default model_<preset>.json)")
+    a("--deadline-min", type=float, default=0.0, help="skip jobs that would start after this many minutes")
+    a("--no-plots", action="store_true")
+    a("--dry-run", action="store_true", help="print the plan and the runtime estimate, run nothing")
+    a("--merge", nargs="+", metavar="JSON", help="merge partial JSONs (later files win) into -o")
+    a("-o", "--output", help="output of --merge")
+    a("--headline", metavar="JSON", help="update headline.json (beside the JSON unless --headline-path) and stop")
+    a("--headline-path", help="headline.json to read-modify-write")
+    return p.parse_args(argv)
+
+
+def _ints(s: str) -> list:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _names(s: str, allowed) -> list:
+    names = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad:
+        raise SystemExit(f"unknown {bad}; choose from {list(allowed)}")
+    return names
+
+
+def resolve_config(args) -> dict:
+    """Everything a worker needs to build the model and run the tasks, with the tiny/full defaults filled in."""
+    tiny = args.tiny
+
+    def pick(value, full, small):
+        return value if value is not None else (small if tiny else full)
+
+    preset = dict(PRESETS[args.preset])
+    config_class, model_class = preset.pop("config_class"), preset.pop("model_class")
+    dims = dict(preset, **TINY) if tiny else preset
+    overrides = {"hidden_size": args.hidden, "intermediate_size": args.intermediate,
+                 "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads}
+    dims.update({k: v for k, v in overrides.items() if v is not None})
+    if args.hidden or args.heads:
+        dims["head_dim"] = dims["hidden_size"] // dims["num_attention_heads"]
+    seq = pick(args.seq, 4096, 64)
+    config_kwargs = dict(
+        dims,
+        vocab_size=pick(args.vocab, 32000, 512),
+        num_hidden_layers=pick(args.layers, 8, 2),
+        max_position_embeddings=max(seq, 8192 if not tiny else 128),
+        initializer_range=0.02,
+    )
+    ranks = _ints(args.ranks) if args.ranks else ([4, 8] if tiny else [64, 384, 768])
+    headline_rank = pick(args.headline_rank, 384, 8)
+    tasks = _names(args.tasks, TASKS) + (["profile"] if args.profile and "profile" not in args.tasks else [])
+    conv_dims = dict(preset, **TINY) if tiny else dict(
+        preset, hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4, head_dim=64
+    )
+    return {
+        "preset": args.preset,
+        "tiny": tiny,
+        "device": args.device,
+        "model": {
+            "config_class": config_class,
+            "model_class": model_class,
+            "config_kwargs": config_kwargs,
+            "seq": seq,
+            "loss_tokens": pick(args.loss_tokens, 1024, 16),
+            "batch": args.batch,
+            "prompt_tokens": pick(args.prompt_tokens, 128, 16),
+            "new_tokens": pick(args.new_tokens, 128, 8),
+            "seed": args.seed,
+        },
+        "lora": {"lora_alpha": "r/2", "use_rslora": True, "targets": "q,k,v,o,gate,up,down"},
+        "ranks": ranks,
+        "impls": _names(args.impls, IMPLS),
+        "modes": _names(args.modes, MODES),
+        "measures": _names(args.measures, MEASURES + EXTRA_MEASURES),
+        "tasks": tasks,
+        "repeats": pick(args.repeats, 5, 2),
+        "warmup": args.warmup,
+        "headline_rank": headline_rank,
+        "fidelity": {
+            "rank": args.fidelity_rank or headline_rank,
+            "rows": 64 if not tiny else 8,  # logits rows kept, evenly spaced over the loss window
+            "grad_sample": args.grad_sample,  # per lora_A/lora_B gradient; 0 = all
+            "modes": ["autocast", "bf16", "fp32"],
+        },
+        "convergence": {
+            "config_kwargs": dict(conv_dims, vocab_size=256, num_hidden_layers=2 if tiny else 4,
+                                  max_position_embeddings=64, initializer_range=0.02),
+            "rank": pick(args.conv_rank, 64, 8),
+            "steps": pick(args.conv_steps, 500, 20),
+            "seeds": _ints(args.conv_seeds),
+            "batch": 8,
+            "seq": 64,
+            "lr": 3e-3,
+            "mode": "autocast" if args.device.startswith("cuda") else "fp32",
+        },
+        "profile": {"mode": "autocast", "rank": headline_rank, "top": 25,
+                    "impls": _names(args.profile_impls, IMPLS)},
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Installs and jobs.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+WHEEL_PATTERNS = {"ours": ("peft-*+dora*.whl", "ours*.whl"), "upstream": ("peft-0.21.2-py3-none-any.whl",
+                                                                         "upstream*.whl")}
+
+
+def find_wheel(explicit, which: str) -> Path:
+    if explicit:
+        return Path(explicit)
+    for pattern in WHEEL_PATTERNS[which]:
+        hits = sorted(glob.glob(str(REPO / ".carry-bench" / pattern)))
+        if hits:
+            return Path(hits[-1])
+    raise SystemExit(f"no {which} wheel: pass --{which}-wheel or put {WHEEL_PATTERNS[which][0]} into .carry-bench/")
+
+
+def _wheel_filename(wheel: Path) -> str:
+    """The wheel's canonical file name from its own metadata, so a renamed copy (e.g. ``ours.whl``) installs."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+        fields = dict(line.split(": ", 1) for line in zf.read(meta).decode().splitlines() if ": " in line)
+    return f"{fields['Name']}-{fields['Version']}-py3-none-any.whl"
+
+
+def install(wheel: Path, target_root: Path) -> Path:
+    """``pip install --no-deps --target`` the wheel once (keyed by its sha256); a directory is used as it is."""
+    if wheel.is_dir():
+        if not (wheel / "peft" / "__init__.py").exists():
+            raise SystemExit(f"{wheel} holds no peft package")
+        return wheel.resolve()
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()[:12]
+    target = target_root / f"{wheel.stem}-{digest}"
+    if (target / ".installed").exists():
+        return target
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    named = target_root / "wheels" / _wheel_filename(wheel)
+    named.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(wheel, named)
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
+           "--target", str(tmp), str(named)]
+    subprocess.run(cmd, check=True)
+    (tmp / ".installed").write_text(wheel.name)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def plan_jobs(cfg: dict) -> list:
+    """One job per (impl, mode) for speed; one per impl for the other tasks. Most important first."""
+    jobs = []
+    if "speed" in cfg["tasks"]:
+        for mode in cfg["modes"]:
+            for impl in cfg["impls"]:
+                jobs.append({"impl": impl, "tasks": ["speed"], "modes": [mode]})
+    for impl in cfg["impls"]:
+        tasks = []
+        if "fidelity" in cfg["tasks"] and impl in DORA_IMPLS:
+            tasks.append("fidelity")
+        if "convergence" in cfg["tasks"] and impl in DORA_IMPLS:
+            tasks.append("convergence")
+        if "profile" in cfg["tasks"] and impl in cfg["profile"]["impls"]:
+            tasks.append("profile")
+        if tasks:
+            jobs.append({"impl": impl, "tasks": tasks, "modes": cfg["modes"]})
+    return jobs
+
+
+# Rough cost model for the estimate, from the FLOP count at an effective H200 rate and per-token launch costs.
+# It only has to say whether a plan fits a 10-minute call; replace the constants with measured ones when known.
+EFFECTIVE_FLOPS = 400e12
+STARTUP_S = 20.0  # interpreter, imports, CUDA context, model build
+DECODE_S_PER_TOKEN_PER_LAYER = 2.5e-3  # launch-bound HF decode step with a PEFT model, per decoder layer
+
+
+def estimate_s(cfg: dict, job: dict) -> float:
+    if cfg["device"] == "cpu":
+        return 0.0
+    m, ck = cfg["model"], cfg["model"]["config_kwargs"]
+    h, f, layers = ck["hidden_size"], ck["intermediate_size"], ck["num_hidden_layers"]
+    kv = ck["num_key_value_heads"] * ck.get("head_dim", h // ck["num_attention_heads"])
+    mats = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]  # (d_out, d_in)
+    tokens = m["batch"] * m["seq"]
+    w = sum(o * i for o, i in mats) * layers + ck["vocab_size"] * h
+    total, reps = STARTUP_S, cfg["repeats"] + cfg["warmup"]
+    for rank in cfg["ranks"]:
+        lora = 2 * rank * sum(o + i for o, i in mats) * layers * tokens
+        dense_norm = 0.0
+        if job["impl"] == "upstream":  # eye(d_in) through A, then B: per module and forward
+            dense_norm = sum(2 * rank * i * (i + o) for o, i in mats) * layers
+        fwd = (2 * w * tokens + lora + dense_norm) / EFFECTIVE_FLOPS
+        if "speed" in job["tasks"]:
+            meas = cfg["measures"]
+            total += reps * 3 * fwd * ("train" in meas) + reps * 12 * fwd * ("train_accum4" in meas)
+            total += reps * fwd * ("infer" in meas)
+            per_tok = DECODE_S_PER_TOKEN_PER_LAYER * layers + dense_norm / EFFECTIVE_FLOPS
+            total += ("decode" in meas) * (cfg["repeats"] + 1) * m["new_tokens"] * per_tok
+            total += ("decode_cached" in meas) * (cfg["repeats"] + 1) * m["new_tokens"] * per_tok / 2
+    if "fidelity" in job["tasks"]:
+        total += 3 * (STARTUP_S / 2)
+    if "convergence" in job["tasks"]:
+        total += len(cfg["convergence"]["seeds"]) * cfg["convergence"]["steps"] * 0.03
+    if "profile" in job["tasks"]:
+        total += 30
+    return total
+
+
+def run_job(job: dict, cfg: dict, targets: dict, workdir: Path, timeout: float | None) -> dict:
+    """Run one worker subprocess and return what it wrote (or the failure)."""
+    name = job["impl"]
+    impl = dict(IMPLS[name], name=name, target=str(targets[IMPLS[name]["wheel"]]))
+    tag = f"{name}_{'-'.join(job['tasks'])}_{'-'.join(job['modes'])}"
+    spec = {
+        "impl": impl, "model": cfg["model"], "device": cfg["device"], "tasks": job["tasks"], "modes": job["modes"],
+        "ranks": cfg["ranks"], "measures": cfg["measures"], "repeats": cfg["repeats"], "warmup": cfg["warmup"],
+        "fidelity": cfg["fidelity"], "convergence": cfg["convergence"], "profile": cfg["profile"],
+        "workdir": str(workdir), "result": str(workdir / f"result_{tag}.json"),
+    }
+    spec_path = workdir / f"spec_{tag}.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    Path(spec["result"]).unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEFT_DORA_")}
+    env["PYTHONPATH"] = os.pathsep.join([impl["target"]] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env["PYTHONUNBUFFERED"] = "1"
+    if impl["fused_env"] is not None:
+        env["PEFT_DORA_FUSED"] = impl["fused_env"]
+    t0 = time.perf_counter()
+    print(f"--- {tag}: starting", flush=True)
+    try:
+        proc = subprocess.run([sys.executable, str(WORKER), str(spec_path)], env=env, timeout=timeout, cwd=HERE)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    result_path = Path(spec["result"])
+    result = json.loads(result_path.read_text()) if result_path.exists() else {"impl": name, "errors": []}
+    if rc != 0 and not result["errors"]:
+        result["errors"].append({"task": ",".join(job["tasks"]), "error": f"worker exit status {rc}"})
+    for e in result["errors"]:
+        e.update(impl=name, modes=job["modes"])
+    print(f"--- {tag}: done in {time.perf_counter() - t0:.0f} s (exit {rc})", flush=True)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Analysis: fidelity and convergence metrics, headline.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _cos(a, b) -> float:
+    import torch
+
+    a, b = a.double().reshape(-1), b.double().reshape(-1)
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+
+
+def _maxabs(a, b) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def fidelity_metrics(files: dict) -> dict:
+    """Compare the saved logits/gradients: each DoRA implementation vs fp32 (ours eager) and vs upstream."""
+    import torch
+
+    data = {key: torch.load(path) for key, path in files.items()}
+    ref_key = ("ours_eager", "fp32")
+    out = {"reference": "ours_eager fp32 (same weights)", "modes": {}}
+    if ref_key not in data:
+        return out
+    ref = data[ref_key]
+
+    def compare(x, y) -> dict:
+        res = {"logits_cos": _cos(x["logits"], y["logits"]), "logits_maxabs": _maxabs(x["logits"], y["logits"]),
+               "loss_absdiff": abs(x["loss"] - y["loss"])}
+        for kind in ("lora_A", "lora_B", "magnitude"):
+            if x["grads"][kind].numel() and x["grads"][kind].shape == y["grads"][kind].shape:
+                res[f"grad_cos_{kind}"] = _cos(x["grads"][kind], y["grads"][kind])
+        return res
+
+    if ("upstream", "fp32") in data:
+        out["upstream_fp32_vs_reference"] = compare(data[("upstream", "fp32")], ref)
+    for mode in MODES:
+        per = {}
+        for impl in DORA_IMPLS:
+            if (impl, mode) not in data:
+                continue
+            entry = {"vs_fp32": compare(data[(impl, mode)], ref), "loss": data[(impl, mode)]["loss"]}
+            if ("upstream", mode) in data and impl != "upstream":
+                entry["vs_upstream"] = compare(data[(impl, mode)], data[("upstream", mode)])
+            per[impl] = entry
+        if "upstream" in per and "ours_fused" in per:
+            per["logits_cos_gap_vs_upstream"] = (
+                per["upstream"]["vs_fp32"]["logits_cos"] - per["ours_fused"]["vs_fp32"]["logits_cos"]
+            )
+        if per:
+            out["modes"][mode] = per
+    return out
+
+
+def convergence_metrics(losses: dict) -> dict:
+    """Per seed: mean and max |Δloss| per step of ours (eager, fused) vs upstream and of eager vs fused."""
+    pairs = [("ours_fused", "upstream"), ("ours_eager", "upstream"), ("ours_eager", "ours_fused")]
+    out = {}
+    for a, b in pairs:
+        if a not in losses or b not in losses:
+            continue
+        per_seed = {}
+        for seed in losses[a]:
+            if seed in losses[b]:
+                d = [abs(x - y) for x, y in zip(losses[a][seed], losses[b][seed])]
+                per_seed[seed] = {"mean_abs_dloss": sum(d) / len(d), "max_abs_dloss": max(d)}
+        if per_seed:
+            out[f"{a}_vs_{b}"] = {
+                "per_seed": per_seed,
+                "mean_abs_dloss": sum(v["mean_abs_dloss"] for v in per_seed.values()) / len(per_seed),
+                "max_abs_dloss": max(v["max_abs_dloss"] for v in per_seed.values()),
+            }
+    for impl, runs in losses.items():
+        out.setdefault("final_loss", {})[impl] = {s: v[-1] for s, v in runs.items()}
+    return out
+
+
+def speed_value(doc: dict, impl: str, mode: str, measure: str, rank: int, key: str = "median_ms"):
+    for r in doc.get("speed", []):
+        if (r["impl"], r["mode"], r["measure"], r["rank"]) == (impl, mode, measure, rank):
+            return r.get(key)
+    return None
+
+
+def headline_values(doc: dict) -> dict:
+    """The flat headline keys, computed from the JSON at its headline rank (ours = fused)."""
+    rank = doc["config"]["headline_rank"]
+    v = lambda impl, mode, measure, key="median_ms": speed_value(doc, impl, mode, measure, rank, key)  # noqa: E731
+
+    def ratio(num, den):
+        return round(num / den, 4) if num and den else None
+
+    out = {}
+    for mode in MODES:
+        out[f"train_speedup_vs_upstream_{mode}"] = ratio(v("upstream", mode, "train"), v("ours_fused", mode, "train"))
+        out[f"infer_speedup_vs_upstream_{mode}"] = ratio(v("upstream", mode, "infer"), v("ours_fused", mode, "infer"))
+        out[f"dora_over_lora_train_{mode}"] = ratio(v("ours_fused", mode, "train"), v("lora", mode, "train"))
+        out[f"dora_over_lora_infer_{mode}"] = ratio(v("ours_fused", mode, "infer"), v("lora", mode, "infer"))
+    out["decode_speedup_vs_upstream"] = ratio(
+        v("upstream", "autocast", "decode_per_token"), v("ours_fused", "autocast", "decode_per_token")
+    )
+    out["decode_speedup_vs_upstream_bf16"] = ratio(
+        v("upstream", "bf16", "decode_per_token"), v("ours_fused", "bf16", "decode_per_token")
+    )
+    for key, impl in (("ours", "ours_fused"), ("upstream", "upstream"), ("lora", "lora")):
+        peak = v(impl, "autocast", "train", "peak_delta_mb")
+        out[f"peak_delta_mb_{key}_autocast"] = None if peak is None else round(peak, 1)
+    modes = doc.get("fidelity", {}).get("metrics", {}).get("modes", {})
+    out["logits_cos_gap_vs_upstream"] = modes.get("autocast", {}).get("logits_cos_gap_vs_upstream")
+    out["logits_cos_gap_vs_upstream_bf16"] = modes.get("bf16", {}).get("logits_cos_gap_vs_upstream")
+    conv = doc.get("convergence", {}).get("metrics", {}).get("ours_fused_vs_upstream", {})
+    out["convergence_mean_abs_dloss"] = conv.get("mean_abs_dloss")
+    out["gpu"] = doc["env"].get("gpu")
+    out["date"] = doc["env"].get("date")
+    out["headline_rank"] = rank
+    return out
+
+
+def update_headline(doc: dict, path: Path) -> dict:
+    """Read-modify-write ``path``: set the keys we computed (None values skipped), keep every other key."""
+    if doc.get("kind") != "gpu" and "cpu_smoke" not in path.parts:
+        raise SystemExit(f"refusing to write CPU numbers into {path}: CPU runs write under results/cpu_smoke/")
+    current = json.loads(path.read_text()) if path.exists() else {}
+    new = {k: v for k, v in headline_values(doc).items() if v is not None}
+    current.update(new)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
+    return new
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run document: environment, assembly, merge.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def environment(device: str, worker_env: dict) -> dict:
+    env = {
+        "date": datetime.date.today().isoformat(),
+        "python": platform.python_version(),
+        "device": device,
+    }
+    if device.startswith("cuda"):
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
+            env["gpu"], env["driver"] = [x.strip() for x in q.split(",")]
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            pass
+    else:
+        env["gpu"] = f"none (CPU: {platform.processor() or platform.machine()})"
+    for name in ("torch", "triton", "transformers"):
+        try:
+            env[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            env[name] = None
+    env.update({k: v for k, v in worker_env.items() if v is not None})
+    return env
+
+
+def new_doc(cfg: dict, argv: list) -> dict:
+    return {
+        "schema": SCHEMA,
+        "kind": "gpu" if cfg["device"].startswith("cuda") else "cpu_smoke",
+        "env": {},
+        "config": cfg,
+        "runs": [{"argv": argv, "started": datetime.datetime.now().isoformat(timespec="seconds")}],
+        "impls": {},
+        "speed": [],
+        "fidelity": {},
+        "convergence": {"config": cfg["convergence"], "losses": {}},
+        "profile": {},
+        "errors": [],
+        "skipped": [],
+    }
+
+
+def absorb(doc: dict, result: dict, fidelity_files: dict) -> None:
+    name = result["impl"]
+    if "info" in result:
+        doc["impls"][name] = {k: v for k, v in result["info"].items() if k != "env"}
+        doc["env"].update(result["info"].get("env", {}))
+    doc["speed"].extend(result.get("speed", []))
+    for mode, path in result.get("fidelity", {}).items():
+        fidelity_files[(name, mode)] = path
+    if "convergence" in result:
+        doc["convergence"]["losses"][name] = result["convergence"]["losses"]
+        doc["convergence"].setdefault("tiers", {})[name] = result["convergence"]["tiers"]
+    if "profile" in result:
+        doc["profile"][name] = result["profile"]
+    doc["errors"].extend(result.get("errors", []))
+
+
+def merge_docs(docs: list) -> dict:
+    """Later documents win per speed record (impl, mode, rank, measure) and per fidelity/profile/convergence entry."""
+    out = json.loads(json.dumps(docs[0]))
+    for d in docs[1:]:
+        if d["kind"] != out["kind"]:
+            raise SystemExit(f"cannot merge a {d['kind']} run into a {out['kind']} run")
+        if d["env"].get("gpu") != out["env"].get("gpu"):
+            print(f"warning: merging runs on different GPUs: {out['env'].get('gpu')} / {d['env'].get('gpu')}")
+        out["env"].update(d["env"])
+        out["runs"].extend(d["runs"])
+        out["impls"].update(d["impls"])
+        keys = {(r["impl"], r["mode"], r["rank"], r["measure"]) for r in d["speed"]}
+        out["speed"] = [r for r in out["speed"] if (r["impl"], r["mode"], r["rank"], r["measure"]) not in keys]
+        out["speed"].extend(d["speed"])
+        if d["fidelity"].get("metrics", {}).get("modes"):
+            out["fidelity"] = d["fidelity"]
+        out["convergence"]["losses"].update(d["convergence"]["losses"])
+        out["convergence"].setdefault("tiers", {}).update(d["convergence"].get("tiers", {}))
+        out["profile"].update(d["profile"])
+        out["errors"].extend(d["errors"])
+        out["skipped"].extend(d["skipped"])
+        cfg = out["config"]
+        cfg["ranks"] = sorted(set(cfg["ranks"]) | set(d["config"]["ranks"]))
+        for key in ("impls", "modes", "measures", "tasks"):
+            cfg[key] += [x for x in d["config"][key] if x not in cfg[key]]
+    out["convergence"]["metrics"] = convergence_metrics(out["convergence"]["losses"])
+    out["speed"].sort(key=lambda r: (r["mode"], r["rank"], r["measure"], list(IMPLS).index(r["impl"])))
+    return out
+
+
+def scrub(text: str, places: dict) -> str:
+    """Replace machine paths (install targets, work dir, repo, site-packages) by placeholders."""
+    import re
+
+    for label, place in places.items():
+        text = text.replace(str(place), f"<{label}>")
+    return re.sub(r"/[^\s\"']*/(site|dist)-packages/", "<site-packages>/", text)
+
+
+def write_doc(doc: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def print_summary(doc: dict) -> None:
+    rank = doc["config"]["headline_rank"]
+    print(f"\n== {doc['kind']} on {doc['env'].get('gpu')}: median ms (peak delta MB) ==")
+    for mode in doc["config"]["modes"]:
+        for r in sorted({r["rank"] for r in doc["speed"]}):
+            for impl in IMPLS:
+                cells = []
+                for m in ("train", "train_accum4", "infer", "decode_per_token", "decode_per_token_cached"):
+                    t = speed_value(doc, impl, mode, m, r)
+                    p = speed_value(doc, impl, mode, m, r, "peak_delta_mb")
+                    if t is not None:
+                        cells.append(f"{m} {t:9.2f}" + (f" ({p:7.0f})" if p is not None else ""))
+                if cells:
+                    print(f"{mode:8s} r={r:<4d} {impl:11s} " + "  ".join(cells))
+    fid = doc.get("fidelity", {}).get("metrics", {}).get("modes", {})
+    for mode, per in fid.items():
+        print(f"fidelity {mode}: logits_cos_gap_vs_upstream {per.get('logits_cos_gap_vs_upstream')}")
+    conv = doc.get("convergence", {}).get("metrics", {})
+    for key, val in conv.items():
+        if key.endswith("upstream") or key.startswith("ours_eager_vs"):
+            print(f"convergence {key}: mean |dloss| {val['mean_abs_dloss']:.3g}, max {val['max_abs_dloss']:.3g}")
+    print("headline (r=%d): %s" % (rank, json.dumps(headline_values(doc))))
+    for e in doc["errors"]:
+        print(f"ERROR {e.get('impl')} {e.get('modes')} {e['task']}: {e['error'].strip().splitlines()[-1]}")
+    for s in doc["skipped"]:
+        print(f"SKIPPED {s}")
+    for w in doc.get("warnings", []):
+        print(f"WARNING {w}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entry points.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def tier_warnings(doc: dict) -> list:
+    """Flag runs whose dispatch tiers contradict their label (e.g. "fused" that composed only eagerly)."""
+    out = []
+    for r in doc["speed"]:
+        tiers = set(r.get("tiers") or {})
+        if r["impl"] == "ours_eager" and tiers - {"eager"}:
+            out.append(f"ours_eager {r['mode']} r={r['rank']} {r['measure']} ran tiers {sorted(tiers)}")
+        if r["impl"] == "ours_fused" and doc["kind"] == "gpu" and tiers and not tiers - {"eager"}:
+            out.append(f"ours_fused {r['mode']} r={r['rank']} {r['measure']} ran only the eager tier")
+    return out
+
+
+def finish(doc: dict, out_path: Path, plots: bool) -> None:
+    doc["convergence"]["metrics"] = convergence_metrics(doc["convergence"]["losses"])
+    doc["warnings"] = tier_warnings(doc)
+    write_doc(doc, out_path)
+    if plots:
+        import plot_model
+
+        for png in plot_model.plot_all(doc, out_path.parent, out_path.stem):
+            print(f"wrote {png}")
+
+
+def run(args, argv) -> int:
+    cfg = resolve_config(args)
+    jobs = plan_jobs(cfg)
+    estimates = [estimate_s(cfg, j) for j in jobs]
+    print(f"plan: {len(jobs)} subprocesses on {cfg['device']}")
+    for j, e in zip(jobs, estimates):
+        print(f"  {j['impl']:11s} {','.join(j['tasks']):28s} {','.join(j['modes']):14s} ~{e / 60:4.1f} min")
+    if cfg["device"].startswith("cuda"):
+        print(f"estimated total ~{sum(estimates) / 60:.1f} min (rough FLOP/launch model; see estimate_s)")
+    if args.dry_run:
+        return 0
+    if args.device.startswith("cuda") is False and not args.tiny:
+        print("warning: a full-size run off the GPU will take very long")
+    out_dir = Path(args.out_dir) if args.out_dir else (
+        RESULTS if cfg["device"].startswith("cuda") else RESULTS / "cpu_smoke")
+    out_path = out_dir / (args.out or f"model_{cfg['preset']}{'_tiny' if cfg['tiny'] else ''}.json")
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    wheels = {which: find_wheel(getattr(args, f"{which}_wheel"), which) for which in ("ours", "upstream")}
+    needed = {IMPLS[j["impl"]]["wheel"] for j in jobs}
+    targets = {w: install(wheels[w], Path(args.target_root)) for w in needed}
+    places = {"targets": Path(args.target_root).resolve(), "workdir": workdir.resolve(), "repo": REPO}
+    doc = new_doc(cfg, [Path(a).name if os.sep in a else a for a in argv])
+    doc["env"] = environment(cfg["device"], {})
+    doc["wheels"] = {w: wheels[w].name for w in needed}
+    fidelity_files = {}
+    t_start = time.perf_counter()
+    deadline = args.deadline_min * 60 if args.deadline_min else None
+    for job in jobs:
+        elapsed = time.perf_counter() - t_start
+        if deadline is not None and elapsed > deadline - 15:
+            doc["skipped"].append({"impl": job["impl"], "tasks": job["tasks"], "modes": job["modes"]})
+            continue
+        result = run_job(job, cfg, targets, workdir, None if deadline is None else deadline - elapsed)
+        for e in result.get("errors", []):
+            e["error"] = scrub(e["error"], places)
+        absorb(doc, result, fidelity_files)
+        if fidelity_files:
+            doc["fidelity"] = {"rank": cfg["fidelity"]["rank"], "metrics": fidelity_metrics(fidelity_files)}
+        write_doc(doc, out_path)  # after every job, so a killed call still leaves the finished part
+    doc["runs"][-1]["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
+    doc["runs"][-1]["wall_s"] = round(time.perf_counter() - t_start, 1)
+    finish(doc, out_path, plots=not args.no_plots)
+    print_summary(doc)
+    print(f"wrote {out_path}")
+    if args.headline_path:
+        update_headline(doc, Path(args.headline_path))
+    return 1 if doc["errors"] else 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.merge:
+        if not args.output:
+            raise SystemExit("--merge needs -o OUT.json")
+        doc = merge_docs([json.loads(Path(p).read_text()) for p in args.merge])
+        finish(doc, Path(args.output), plots=not args.no_plots)
+        print_summary(doc)
+        return 0
+    if args.headline:
+        doc = json.loads(Path(args.headline).read_text())
+        path = Path(args.headline_path) if args.headline_path else Path(args.headline).resolve().parent / "headline.json"
+        print(json.dumps(update_headline(doc, path), indent=2))
+        print(f"updated {path}")
+        return 0
+    return run(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Render the README's model-benchmark table (markdown) from a ``bench_model.py`` JSON.
+
+    python benchmarks/make_readme_table.py benchmarks/results/model_llama.json            # print the table
+    python benchmarks/make_readme_table.py RESULT.json --write README.md                   # replace it in place
+
+``--write`` replaces the text between ``<!-- bench-model:begin -->`` and ``<!-- bench-model:end -->``; the file
+must already hold both markers. Every number comes from the JSON; nothing is typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+BEGIN, END = "<!-- bench-model:begin -->", "<!-- bench-model:end -->"
+IMPLS = (("upstream", "upstream PEFT 0.21.2 DoRA"), ("ours_eager", "ours, eager"), ("ours_fused", "ours, fused"),
+         ("lora", "plain LoRA (floor)"))
+COLUMNS = (("train", "train step ms"), ("train_accum4", "train ×4 accum ms"), ("infer", "inference ms"),
+           ("decode_per_token", "decode ms/token"))
+
+
+def _get(doc, impl, mode, measure, rank, key="median_ms"):
+    for r in doc["speed"]:
+        if (r["impl"], r["mode"], r["measure"], r["rank"]) == (impl, mode, measure, rank):
+            return r.get(key)
+    return None
+
+
+def _fmt(x, spec=".1f"):
+    return "–" if x is None else format(x, spec)
+
+
+def render(doc: dict, ranks=None) -> str:
+    cfg, env = doc["config"], doc["env"]
+    ck = cfg["model"]["config_kwargs"]
+    ranks = ranks or sorted({r["rank"] for r in doc["speed"]})
+    lines = []
+    if doc["kind"] != "gpu":
+        lines.append("**CPU smoke run: these numbers only show that the pipeline works; they are not a benchmark.**")
+        lines.append("")
+    lines.append(
+        f"{cfg['preset']} architecture from a config, {ck['num_hidden_layers']} layers, hidden {ck['hidden_size']}, "
+        f"intermediate {ck['intermediate_size']}, seq {cfg['model']['seq']} (loss on the last "
+        f"{cfg['model']['loss_tokens']}), batch {cfg['model']['batch']}, bf16 base, gradient checkpointing; "
+        f"{env.get('gpu')}, driver {env.get('driver')}, torch {env.get('torch')}, triton {env.get('triton')}, "
+        f"transformers {env.get('transformers')}; {env.get('date')}. Median of {cfg['repeats']} (after warm-up); "
+        "speedup = upstream time / this time; peak = `max_memory_allocated` over the static model+adapter "
+        "allocation in a training step."
+    )
+    lines.append("")
+    head = ["mode", "r", "implementation"] + [c for _, c in COLUMNS] + ["speedup train / infer / decode",
+                                                                          "train peak MB"]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for mode in ("autocast", "bf16"):
+        for rank in ranks:
+            for impl, label in IMPLS:
+                times = [_get(doc, impl, mode, m, rank) for m, _ in COLUMNS]
+                if all(t is None for t in times):
+                    continue
+                ups = [_get(doc, "upstream", mode, m, rank) for m in ("train", "infer", "decode_per_token")]
+                mine = [times[0], times[2], times[3]]
+                speed = " / ".join(
+                    "–" if (u is None or t is None or impl in ("upstream", "lora")) else f"{u / t:.2f}×"
+                    for u, t in zip(ups, mine)
+                )
+                cells = [mode, str(rank), label] + [_fmt(t, ".2f") for t in times]
+                cells += [speed, _fmt(_get(doc, impl, mode, "train", rank, "peak_delta_mb"), ".0f")]
+                lines.append("| " + " | ".join(cells) + " |")
+    fid = doc.get("fidelity", {}).get("metrics", {}).get("modes", {})
+    if fid:
+        lines.append("")
+        lines.append(f"Fidelity at r={doc['fidelity']['rank']} (cosine to an fp32 run of the same weights):")
+        lines.append("")
+        lines.append("| mode | implementation | logits cos | logits max abs | grad cos A / B / magnitude |")
+        lines.append("|---|---|---|---|---|")
+        for mode, per in fid.items():
+            for impl, label in IMPLS[:3]:
+                if impl not in per:
+                    continue
+                v = per[impl]["vs_fp32"]
+                grads = " / ".join(_fmt(v.get(f"grad_cos_{k}"), ".6f") for k in ("lora_A", "lora_B", "magnitude"))
+                lines.append(f"| {mode} | {label} | {v['logits_cos']:.7f} | {v['logits_maxabs']:.3g} | {grads} |")
+    conv = doc.get("convergence", {}).get("metrics", {})
+    if "ours_fused_vs_upstream" in conv:
+        c, cc = conv["ours_fused_vs_upstream"], doc["convergence"]["config"]
+        lines.append("")
+        lines.append(
+            f"Convergence ({cc['steps']} AdamW steps, r={cc['rank']}, {len(cc['seeds'])} seeds): mean |Δloss| per "
+            f"step ours fused vs upstream {c['mean_abs_dloss']:.2e} (max {c['max_abs_dloss']:.2e})."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_into(path: Path, table: str) -> None:
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path} lacks the markers {BEGIN} ... {END}; add them where the table belongs")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json")
+    p.add_argument("--ranks", help="comma list of ranks to show (default: all in the JSON)")
+    p.add_argument("--write", metavar="MARKDOWN", help="replace the table between the markers in this file")
+    args = p.parse_args(argv)
+    doc = json.loads(Path(args.json).read_text())
+    table = render(doc, [int(r) for r in args.ranks.split(",")] if args.ranks else None)
+    if args.write:
+        write_into(Path(args.write), table)
+        print(f"updated {args.write}")
+    else:
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

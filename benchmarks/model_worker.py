@@ -1,0 +1,591 @@
+"""One implementation's share of the model benchmark, run in its own process by ``bench_model.py``.
+
+Started as ``python model_worker.py SPEC.json``: SPEC names the implementation, the precision modes, the ranks and
+the tasks (speed, fidelity, convergence, profile), and the file to write the results to. The parent puts the
+implementation's ``--target`` install first on ``PYTHONPATH`` and sets ``PEFT_DORA_FUSED`` for the eager run; this
+process checks that it imported the ``peft`` it was meant to before measuring anything.
+
+Nothing here imports from the repository: the script directory is ``sys.path[0]``, so the overlay tree in the repo
+root cannot shadow the installed package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+import zlib
+from pathlib import Path
+
+import torch
+
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MEASURES = ("train", "train_accum4", "infer", "prefill", "generate", "decode_per_token")
+ACCUM_STEPS = 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The package under test.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_peft(impl: dict) -> dict:
+    """Import ``peft`` and fail unless it is the install this implementation names (and the right DoRA)."""
+    import peft
+    from peft.tuners.lora import dora
+
+    target = Path(impl["target"]).resolve()
+    peft_file = Path(peft.__file__).resolve()
+    print(f"[{impl['name']}] peft {peft.__version__} from {peft_file}", flush=True)
+    if target not in peft_file.parents:
+        raise RuntimeError(f"{impl['name']}: imported peft from {peft_file}, expected it under {target}")
+    ours = hasattr(dora, "factored_row_norm")
+    if ours != impl["ours"]:
+        raise RuntimeError(
+            f"{impl['name']}: peft.tuners.lora.dora {'has' if ours else 'lacks'} factored_row_norm, "
+            f"so this is {'our' if ours else 'upstream'} DoRA, not what was asked for"
+        )
+    dists = list(importlib.metadata.distributions(name="peft", path=[str(target)]))
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in ("transformers", "triton"):
+        try:
+            env[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            env[name] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return {
+        "peft_version": dists[0].version if dists else peft.__version__,
+        "ours": ours,
+        "peft_dora_fused_env": os.environ.get("PEFT_DORA_FUSED"),
+        "env": env,
+    }
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def tier_counts() -> dict:
+    from peft.tuners.lora import dora
+
+    return dict(getattr(dora, "tier_counts", {}))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model, adapters and data.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build_base(cfg: dict, device: torch.device, dtype: torch.dtype):
+    """A randomly initialised causal LM of the preset's architecture, seeded, built directly on ``device``."""
+    import transformers
+
+    config_cls = getattr(transformers, cfg["config_class"])
+    model_cls = getattr(transformers, cfg["model_class"])
+    config = config_cls(**cfg["config_kwargs"])
+    torch.manual_seed(cfg["seed"])
+    with torch.device(device):
+        model = model_cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _gen(device: torch.device, *key) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(zlib.crc32(repr(key).encode()))
+
+
+@torch.no_grad()
+def seed_adapters(model, seed: int, init_range: float, zero_b: bool = False) -> None:
+    """Overwrite A, B and the magnitudes with values drawn per module name, identical in every implementation.
+
+    A ~ N(0, 1/d_in); B sized so that ``s·B·A·x`` is about a tenth of ``W·x`` (never zeros: they time faster and
+    hide errors); the magnitude is the fp32 row norm of W times (1 + 0.1·N(0, 1)), so ``g`` differs from 1.
+    """
+    for name, module in sorted(model.named_modules()):
+        if not hasattr(module, "lora_A") or "default" not in module.lora_A:
+            continue
+        a = module.lora_A["default"].weight
+        b = module.lora_B["default"].weight
+        dev = a.device
+        r, d_in = a.shape
+        a.copy_(torch.randn(a.shape, generator=_gen(dev, seed, name, "A"), device=dev) / math.sqrt(d_in))
+        if zero_b:
+            b.zero_()
+        else:
+            std = 0.2 * init_range * math.sqrt(d_in) / r
+            b.copy_(torch.randn(b.shape, generator=_gen(dev, seed, name, "B"), device=dev) * std)
+        mags = getattr(module, "lora_magnitude_vector", None)
+        if mags is not None and "default" in mags and not zero_b:
+            m = mags["default"].weight
+            w = module.get_base_layer().weight
+            noise = torch.randn(m.shape, generator=_gen(dev, seed, name, "m"), device=dev)
+            m.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 0.1 * noise))
+
+
+def wrap(base, cfg: dict, rank: int, impl: dict, mode: str):
+    """``get_peft_model`` in the precision mode: autocast = fp32 adapters on a bf16 base; bf16/fp32 = one dtype."""
+    from peft import LoraConfig, get_peft_model
+
+    lora_config = LoraConfig(
+        r=rank, lora_alpha=rank / 2, use_rslora=True, use_dora=impl["dora"], target_modules=TARGETS
+    )
+    model = get_peft_model(base, lora_config, autocast_adapter_dtype=(mode == "autocast"))
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    elif mode == "fp32":
+        model = model.to(torch.float32)
+    return model
+
+
+def precision_ctx(mode: str, device: torch.device):
+    if mode == "autocast":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def make_inputs(cfg: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids [batch, seq] and labels with the loss on the last ``loss_tokens`` positions only."""
+    g = torch.Generator().manual_seed(cfg["seed"] + 1)
+    ids = torch.randint(0, cfg["config_kwargs"]["vocab_size"], (cfg["batch"], cfg["seq"]), generator=g)
+    labels = ids.clone()
+    labels[:, : cfg["seq"] - cfg["loss_tokens"]] = -100
+    return ids.to(device), labels.to(device)
+
+
+def release(*objs) -> None:
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Timing.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Timer:
+    """Milliseconds of a region: CUDA events on a GPU, ``perf_counter`` after a barrier elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    @contextlib.contextmanager
+    def region(self, out: list):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            out.append((time.perf_counter() - t0) * 1e3)
+
+
+def summary(samples: list) -> dict:
+    return {
+        "median_ms": statistics.median(samples),
+        "min_ms": min(samples),
+        "max_ms": max(samples),
+        "samples_ms": [round(s, 4) for s in samples],
+    }
+
+
+def measure(fn, device, warmup: int, repeats: int, before=None) -> dict:
+    """Run ``fn`` ``warmup`` times, then time it ``repeats`` times; peak memory over the static allocation.
+
+    ``before`` (untimed) runs ahead of every call, e.g. to drop gradients so each step allocates them afresh.
+    """
+    for _ in range(warmup):
+        if before:
+            before()
+        fn()
+    if before:
+        before()
+    gc.collect()
+    static = peak = None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        static = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    timer, samples = Timer(device), []
+    counts0 = tier_counts()
+    for _ in range(repeats):
+        if before:
+            before()
+        with timer.region(samples):
+            fn()
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() - static
+    tiers = _delta(counts0, tier_counts())
+    out = summary(samples)
+    out["peak_delta_mb"] = None if peak is None else peak / 2**20
+    out["static_mb"] = None if static is None else static / 2**20
+    out["tiers"] = tiers
+    return out
+
+
+def speed_rank(model, cfg, mode, device, measures, warmup, repeats) -> dict:
+    """Every requested measure for one wrapped model."""
+    ids, labels = make_inputs(cfg, device)
+    ctx = lambda: precision_ctx(mode, device)  # noqa: E731
+    zero = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
+    results = {}
+
+    def train_step():
+        with ctx():
+            loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+        loss.backward()
+
+    def train_accum():
+        for _ in range(ACCUM_STEPS):
+            with ctx():
+                loss = model(input_ids=ids, labels=labels, use_cache=False).loss / ACCUM_STEPS
+            loss.backward()
+
+    model.train()
+    if "train" in measures:
+        results["train"] = measure(train_step, device, warmup, repeats, before=zero)
+    if "train_accum4" in measures:
+        results["train_accum4"] = measure(train_accum, device, max(1, warmup - 1), repeats, before=zero)
+    zero()
+    release()
+
+    model.eval()
+    if "infer" in measures:
+
+        @torch.no_grad()
+        def infer():
+            with ctx():
+                model(input_ids=ids, use_cache=False)
+
+        results["infer"] = measure(infer, device, warmup, repeats)
+    for name, suffix in (("decode", ""), ("decode_cached", "_cached")):
+        if name in measures:
+            results.update(decode(model, ids, cfg, ctx, device, warmup, repeats, suffix))
+    model.train()
+    return results
+
+
+def decode(model, ids, cfg, ctx, device, warmup, repeats, suffix: str) -> dict:
+    """Prefill and KV-cached greedy generation; per-token decode = (generate - median prefill) / new tokens.
+
+    ``suffix`` "_cached" runs both under ``peft.helpers.DoraCaching`` (the norm is computed once, then reused).
+    """
+    from peft.helpers import DoraCaching
+
+    caching = DoraCaching if suffix else contextlib.nullcontext
+    prompt = ids[:, : cfg["prompt_tokens"]]
+    new = cfg["new_tokens"]
+
+    @torch.no_grad()
+    def prefill():
+        with ctx(), caching():
+            model(input_ids=prompt, use_cache=True)
+
+    @torch.no_grad()
+    def generate():
+        with ctx(), caching():
+            out = model.generate(input_ids=prompt, max_new_tokens=new, do_sample=False, use_cache=True)
+        if out.shape[1] != prompt.shape[1] + new:
+            raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} new tokens, not {new}")
+
+    pre = measure(prefill, device, warmup, repeats)
+    gen = measure(generate, device, 1, repeats)
+    per_tok = summary([(g - pre["median_ms"]) / new for g in gen["samples_ms"]])
+    per_tok.update(peak_delta_mb=gen["peak_delta_mb"], static_mb=gen["static_mb"], tiers=gen["tiers"])
+    return {f"prefill{suffix}": pre, f"generate{suffix}": gen, f"decode_per_token{suffix}": per_tok}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tasks.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def task_speed(spec, impl, cfg, device, records: list, flush) -> list:
+    """Every measure at every rank; ``records`` grows and is flushed after each rank (a timeout keeps them)."""
+    for mode in spec["modes"]:
+        base = build_base(cfg, device, torch.bfloat16)
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for rank in spec["ranks"]:
+            t0 = time.perf_counter()
+            model = wrap(base, cfg, rank, impl, mode)
+            seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
+            res = speed_rank(model, cfg, mode, device, spec["measures"], spec["warmup"], spec["repeats"])
+            for measure_name, r in res.items():
+                records.append({"impl": impl["name"], "mode": mode, "rank": rank, "measure": measure_name, **r})
+            flush()
+            line = ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in res.items())
+            print(f"[{impl['name']}] {mode} r={rank}: {line} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
+            base = model.unload()  # the base model without adapter layers, for the next rank
+            release(model)
+        release(base)
+    return records
+
+
+def _sample(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``k`` evenly spaced elements of the flattened tensor (all of it when smaller or ``k`` is 0), fp32, CPU."""
+    flat = t.detach().reshape(-1)
+    if 0 < k < flat.numel():
+        flat = flat[torch.linspace(0, flat.numel() - 1, k, device=flat.device).long()]
+    return flat.float().cpu()
+
+
+def task_fidelity(spec, impl, cfg, device, workdir: Path) -> dict:
+    """Logits (a subsample of rows of the loss window) and sampled gradients, one ``.pt`` per mode."""
+    fid = spec["fidelity"]
+    ids, labels = make_inputs(cfg, device)
+    rows = torch.linspace(cfg["seq"] - cfg["loss_tokens"], cfg["seq"] - 1, fid["rows"]).long()
+    files = {}
+    # fp32 is the reference: ours eager, with upstream in fp32 as a cross-check of the reference itself
+    modes = [m for m in fid["modes"] if m != "fp32" or impl["name"] in ("ours_eager", "upstream")]
+    for mode in modes:
+        dtype = torch.float32 if mode == "fp32" else torch.bfloat16
+        base = build_base(cfg, device, torch.bfloat16)
+        if mode == "fp32":
+            base = base.float()  # the same bf16-initialised weights, exactly, in fp32
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = wrap(base, cfg, fid["rank"], impl, mode)
+        seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
+        model.train()
+        with precision_ctx(mode, device):
+            out = model(input_ids=ids, labels=labels, use_cache=False)
+        out.loss.backward()
+        grads = {"lora_A": [], "lora_B": [], "magnitude": []}
+        for name, p in sorted(model.named_parameters()):
+            if p.grad is None:
+                continue
+            kind = "magnitude" if "lora_magnitude_vector" in name else "lora_A" if "lora_A" in name else "lora_B"
+            full = kind == "magnitude"  # [d_out] per module: small enough to keep whole
+            grads[kind].append(p.grad.float().reshape(-1).cpu() if full else _sample(p.grad, fid["grad_sample"]))
+        payload = {
+            "logits": out.logits[0, rows.to(device)].detach().float().cpu(),
+            "loss": out.loss.item(),
+            "grads": {k: torch.cat(v) if v else torch.empty(0) for k, v in grads.items()},
+            "dtype": str(dtype),
+        }
+        path = workdir / f"fidelity_{impl['name']}_{mode}.pt"
+        torch.save(payload, path)
+        files[mode] = str(path)
+        print(f"[{impl['name']}] fidelity {mode}: loss {payload['loss']:.6f}", flush=True)
+        release(model, base, out)
+    return files
+
+
+def task_convergence(spec, impl, cfg, device) -> dict:
+    """Train a small model on the quickstart's counting task; per-step losses for each seed."""
+    conv = spec["convergence"]
+    ccfg = dict(cfg, config_kwargs=conv["config_kwargs"])
+    vocab = conv["config_kwargs"]["vocab_size"]
+    mode = conv["mode"]
+    runs, counts0 = {}, tier_counts()
+    for seed in conv["seeds"]:
+        ccfg["seed"] = seed
+        base = build_base(ccfg, device, torch.float32 if mode == "fp32" else torch.bfloat16)
+        model = wrap(base, ccfg, conv["rank"], impl, mode)
+        seed_adapters(model, seed, conv["config_kwargs"]["initializer_range"], zero_b=True)
+        model.train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=conv["lr"])
+        gen = torch.Generator().manual_seed(seed)
+        losses = []
+        t0 = time.perf_counter()
+        for _ in range(conv["steps"]):
+            start = torch.randint(0, vocab, (conv["batch"], 1), generator=gen)
+            stride = torch.randint(1, 4, (conv["batch"], 1), generator=gen)
+            batch = ((start + stride * torch.arange(conv["seq"])) % vocab).to(device)
+            with precision_ctx(mode, device):
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        print(
+            f"[{impl['name']}] convergence seed {seed}: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
+            f"in {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
+        runs[str(seed)] = losses
+        release(model, base, opt)
+    return {"losses": runs, "tiers": _delta(counts0, tier_counts())}
+
+
+# Names of the profiler ranges put around the DoRA pieces; the rest of a step is the base model.
+COMPONENTS = {"dora.norm": "norm", "dora.compose": "compose", "lora.A": "lora_A", "lora.B": "lora_B"}
+# Kernel (or, on CPU, op) name patterns for a coarse split of the step's time; first match wins.
+KERNEL_CLASSES = (
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("triton", r"triton"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|sm90_|aten::mm|aten::addmm|aten::bmm|aten::linear"),
+    ("reduction", r"reduce|norm|sum"),
+    ("copy_cast", r"copy|memcpy|memset|cast|fill"),
+    ("elementwise", r"elementwise|vectorized|aten::(mul|add|sub|div)"),
+)
+
+
+def kernel_class(name: str) -> str:
+    import re
+
+    for label, pattern in KERNEL_CLASSES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
+
+
+def _annotate(model) -> None:
+    """Put ``record_function`` ranges around the norm, the composition and the LoRA matmuls (forward side)."""
+    from torch.profiler import record_function
+
+    def ranged(label, fn):
+        def inner(*a, **k):
+            with record_function(label):
+                return fn(*a, **k)
+
+        return inner
+
+    from peft.tuners.lora import dora
+
+    for cls_name in ("DoraLinearLayer",):
+        cls = getattr(dora, cls_name, None)
+        if cls is not None and not getattr(cls, "_bench_ranged", False):
+            cls.get_weight_norm = ranged("dora.norm", cls.get_weight_norm)
+            cls._bench_ranged = True
+    if hasattr(dora, "_compose_with_dispatch"):
+        dora._compose_with_dispatch = ranged("dora.compose", dora._compose_with_dispatch)
+    for module in model.modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            for key, label in (("lora_A", "lora.A"), ("lora_B", "lora.B")):
+                sub = getattr(module, key)["default"]
+                sub.forward = ranged(label, sub.forward)
+
+
+def task_profile(spec, impl, cfg, device) -> dict:
+    """torch.profiler over one training step: top kernels and the time inside each annotated DoRA component."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof_spec = spec["profile"]
+    mode = prof_spec["mode"]
+    base = build_base(cfg, device, torch.bfloat16)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = wrap(base, cfg, prof_spec["rank"], impl, mode)
+    seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
+    _annotate(model)
+    ids, labels = make_inputs(cfg, device)
+    model.train()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with precision_ctx(mode, device):
+            loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+        loss.backward()
+
+    for _ in range(2):
+        step()
+    counts0 = tier_counts()
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+
+    def dev_time(evt) -> float:  # microseconds of device work launched inside this CPU event (children included)
+        if not cuda:
+            return evt.cpu_time_total
+        return getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+
+    events = prof.events()
+    components = {v: 0.0 for v in COMPONENTS.values()}
+    calls = {v: 0 for v in COMPONENTS.values()}
+    for evt in events:
+        if evt.name in COMPONENTS and evt.device_type == torch.autograd.DeviceType.CPU:
+            components[COMPONENTS[evt.name]] += dev_time(evt) / 1e3
+            calls[COMPONENTS[evt.name]] += 1
+    # Per name: (ms, count). On a GPU, the kernels themselves (user-annotation ranges on the device timeline are
+    # not kernels); on a CPU, each op's self time.
+    per_name: dict = {}
+    if cuda:
+        for evt in events:
+            if evt.device_type != torch.autograd.DeviceType.CUDA or getattr(evt, "is_user_annotation", False):
+                continue
+            if evt.name in COMPONENTS:
+                continue
+            ms, n = per_name.get(evt.name, (0.0, 0))
+            per_name[evt.name] = (ms + evt.time_range.elapsed_us() / 1e3, n + 1)
+    else:
+        for row in prof.key_averages():
+            if row.key not in COMPONENTS:
+                per_name[row.key] = (row.self_cpu_time_total / 1e3, row.count)
+    kernels = [{"name": k[:160], "ms": ms, "count": n} for k, (ms, n) in per_name.items()]
+    total_ms = sum(k["ms"] for k in kernels)
+    if cuda and not kernels:
+        raise RuntimeError("the profiler recorded no CUDA kernels")
+    kernels.sort(key=lambda k: -k["ms"])
+    classes = {}
+    for k in kernels:
+        classes[kernel_class(k["name"])] = classes.get(kernel_class(k["name"]), 0.0) + k["ms"]
+    return {
+        "mode": mode,
+        "rank": prof_spec["rank"],
+        "time_basis": "cuda kernel time" if cuda else "cpu op time (cpu smoke run)",
+        "total_ms": total_ms,
+        "components_forward_ms": components,
+        "component_calls": calls,
+        "by_kernel_class_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
+        "top_kernels": kernels[: prof_spec["top"]],
+        "tiers": _delta(counts0, tier_counts()),
+    }
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    impl, cfg = spec["impl"], spec["model"]
+    device = torch.device(spec["device"])
+    result = {"impl": impl["name"], "errors": []}
+    try:
+        result["info"] = check_peft(impl)
+    except Exception:
+        result["errors"].append({"task": "import", "error": traceback.format_exc()[-3000:]})
+        Path(spec["result"]).write_text(json.dumps(result))
+        print(result["errors"][-1]["error"], file=sys.stderr)
+        return 2
+    workdir = Path(spec["workdir"])
+
+    def flush():
+        Path(spec["result"]).write_text(json.dumps(result))
+
+    tasks = {
+        "speed": lambda: task_speed(spec, impl, cfg, device, result.setdefault("speed", []), flush),
+        "fidelity": lambda: task_fidelity(spec, impl, cfg, device, workdir),
+        "convergence": lambda: task_convergence(spec, impl, cfg, device),
+        "profile": lambda: task_profile(spec, impl, cfg, device),
+    }
+    for task in spec["tasks"]:
+        try:
+            result[task] = tasks[task]()
+        except Exception:
+            err = traceback.format_exc()
+            print(err, file=sys.stderr, flush=True)
+            result["errors"].append({"task": task, "error": err[-3000:]})
+            release()
+        flush()  # after every task, so a timeout keeps what ran
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

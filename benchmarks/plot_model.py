@@ -1,0 +1,134 @@
+"""Plots for ``bench_model.py`` JSON: step times, peak memory and convergence, as PNGs.
+
+    python benchmarks/plot_model.py benchmarks/results/model_llama.json [--out-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+IMPL_ORDER = ("upstream", "ours_eager", "ours_fused", "lora")
+IMPL_LABEL = {"upstream": "upstream PEFT DoRA", "ours_eager": "ours (eager)", "ours_fused": "ours (fused)",
+              "lora": "plain LoRA"}
+PANELS = (("train", "training step"), ("train_accum4", "training, 4-step accumulation"),
+          ("infer", "inference forward"), ("decode_per_token", "decode, per token"),
+          ("decode_per_token_cached", "decode, per token, DoraCaching"))
+
+
+def _title(doc: dict, what: str) -> str:
+    env, cfg = doc["env"], doc["config"]
+    ck = cfg["model"]["config_kwargs"]
+    head = f"{what}: {cfg['preset']} {ck['num_hidden_layers']}L h{ck['hidden_size']} seq {cfg['model']['seq']}"
+    if doc["kind"] != "gpu":
+        return f"CPU SMOKE RUN, NOT A BENCHMARK - {head}"
+    return f"{head} on {env.get('gpu')} ({env.get('date')})"
+
+
+def _grouped_bars(ax, doc, mode, measure, key):
+    records = [r for r in doc["speed"] if r["mode"] == mode and r["measure"] == measure and r.get(key) is not None]
+    ranks = sorted({r["rank"] for r in records})
+    impls = [i for i in IMPL_ORDER if any(r["impl"] == i for r in records)]
+    width = 0.8 / max(1, len(impls))
+    for k, impl in enumerate(impls):
+        xs, ys, lo, hi = [], [], [], []
+        for j, rank in enumerate(ranks):
+            r = next((r for r in records if r["impl"] == impl and r["rank"] == rank), None)
+            if r is None:
+                continue
+            xs.append(j + (k - (len(impls) - 1) / 2) * width)
+            ys.append(r[key])
+            if key == "median_ms":
+                lo.append(r[key] - r["min_ms"])
+                hi.append(r["max_ms"] - r[key])
+        err = [lo, hi] if key == "median_ms" else None
+        ax.bar(xs, ys, width, yerr=err, capsize=2, label=IMPL_LABEL[impl])
+    ax.set_xticks(range(len(ranks)), [f"r={r}" for r in ranks])
+
+
+def plot_speed(doc: dict, path: Path, key: str, ylabel: str, what: str) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in ("autocast", "bf16") if any(r["mode"] == m for r in doc["speed"])]
+    panels = [p for p in PANELS if any(r["measure"] == p[0] and r.get(key) is not None for r in doc["speed"])]
+    if not modes or not panels:
+        return None
+    fig, axes = plt.subplots(len(panels), len(modes), figsize=(5.5 * len(modes), 3.2 * len(panels)), squeeze=False)
+    for i, (measure, label) in enumerate(panels):
+        for j, mode in enumerate(modes):
+            ax = axes[i][j]
+            _grouped_bars(ax, doc, mode, measure, key)
+            ax.set_title(f"{label} ({mode})", fontsize=10)
+            ax.set_ylabel(ylabel)
+            ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(_title(doc, what), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_convergence(doc: dict, path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    losses = doc.get("convergence", {}).get("losses", {})
+    if not losses:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    for impl in IMPL_ORDER:
+        for seed, curve in losses.get(impl, {}).items():
+            ax1.plot(curve, lw=0.8, label=f"{IMPL_LABEL[impl]} seed {seed}")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss")
+    ax1.legend(fontsize=7)
+    for a, b in (("ours_fused", "upstream"), ("ours_eager", "upstream"), ("ours_eager", "ours_fused")):
+        for seed in losses.get(a, {}):
+            if seed in losses.get(b, {}):
+                d = [max(abs(x - y), 1e-9) for x, y in zip(losses[a][seed], losses[b][seed])]  # 0 on a log axis
+                ax2.plot(d, lw=0.8, label=f"{a} vs {b}, seed {seed}")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("|Δloss| (floored at 1e-9)")
+    ax2.set_yscale("log")
+    ax2.legend(fontsize=7)
+    conv = doc["convergence"]["config"]
+    fig.suptitle(_title(doc, f"convergence (r={conv['rank']}, {conv['mode']}, {conv['steps']} steps)"), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_all(doc: dict, out_dir: Path, stem: str) -> list:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    made = [
+        plot_speed(doc, out_dir / f"{stem}_time.png", "median_ms", "ms (median, min–max)", "time"),
+        plot_speed(doc, out_dir / f"{stem}_memory.png", "peak_delta_mb", "peak − static, MB", "peak memory"),
+        plot_convergence(doc, out_dir / f"{stem}_convergence.png"),
+    ]
+    return [p for p in made if p is not None]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json")
+    p.add_argument("--out-dir")
+    args = p.parse_args(argv)
+    src = Path(args.json)
+    doc = json.loads(src.read_text())
+    for png in plot_all(doc, Path(args.out_dir) if args.out_dir else src.parent, src.stem):
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
