@@ -76,8 +76,6 @@ def bench_shape(tokens, d_out, dtype):
         result[name] = {**t, "GBps": gbs, "pct_of_copy": 100 * gbs / copy_gbs}
     for op in ("compose", "fwd_inner", "backward"):
         result[f"{op}_speedup_vs_eager"] = result[f"{op}_eager"]["median_ms"] / result[f"{op}_fused"]["median_ms"]
-    del lora, base, d_out_t, dst, out, inner
-    torch.cuda.empty_cache()
     return result
 
 
@@ -254,6 +252,7 @@ def main():
         grid = [(t, d) for t in TOKENS for d in D_OUT] if dtype == torch.bfloat16 else SMALL_GRID
         for tokens, d_out in grid:
             data["shapes"].append(bench_shape(tokens, d_out, dtype))
+            torch.cuda.empty_cache()  # the shape's tensors are gone with bench_shape's frame
             r = data["shapes"][-1]
             print(f"{r['dtype']:>8} {tokens:>6}x{d_out:<6} copy {r['copy_GBps']:7.0f} GB/s | "
                   f"compose {r['compose_fused']['pct_of_copy']:5.1f}% ({r['compose_speedup_vs_eager']:.2f}x) | "

@@ -40,12 +40,15 @@ WORKER = HERE / "model_worker.py"
 SCHEMA = "bench_model/1"
 
 IMPLS = {
-    # name: which wheel, is it our DoRA, use_dora, PEFT_DORA_FUSED in the subprocess (None = unset)
-    "upstream": {"wheel": "upstream", "ours": False, "dora": True, "fused_env": None},
-    "ours_eager": {"wheel": "ours", "ours": True, "dora": True, "fused_env": "0"},
-    "ours_fused": {"wheel": "ours", "ours": True, "dora": True, "fused_env": None},
-    "lora": {"wheel": "upstream", "ours": False, "dora": False, "fused_env": None},
+    # name: which wheel, is it our DoRA, use_dora, PEFT_DORA_* variables set in the subprocess (others unset)
+    "upstream": {"wheel": "upstream", "ours": False, "dora": True, "env": {}},
+    "ours_eager": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_FUSED": "0"}},
+    "ours_fused": {"wheel": "ours", "ours": True, "dora": True, "env": {}},
+    "lora": {"wheel": "upstream", "ours": False, "dora": False, "env": {}},
+    # opt-in (not in the default --impls): the fused tier with norm reuse across forwards
+    "ours_fused_reuse": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_NORM_CACHE": "1"}},
 }
+DEFAULT_IMPLS = ("upstream", "ours_eager", "ours_fused", "lora")
 DORA_IMPLS = ("upstream", "ours_eager", "ours_fused")
 MODES = ("autocast", "bf16")
 MEASURES = ("train", "train_accum4", "infer", "decode")
@@ -93,7 +96,7 @@ def parse_args(argv=None):
     a("--loss-tokens", type=int, help="loss on the last N tokens (default 1024; tiny 16)")
     a("--batch", type=int, default=1)
     a("--ranks", help="comma list (default 64,384,768; tiny 4,8)")
-    a("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
+    a("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma list of {', '.join(IMPLS)}")
     a("--modes", default=",".join(MODES), help="comma list of autocast, bf16")
     a("--measures", default=",".join(MEASURES), help=f"comma list of {', '.join(MEASURES + EXTRA_MEASURES)}")
     a("--tasks", default="speed,fidelity,convergence", help=f"comma list of {', '.join(TASKS)}")
@@ -343,8 +346,7 @@ def run_job(job: dict, cfg: dict, targets: dict, workdir: Path, timeout: float |
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEFT_DORA_")}
     env["PYTHONPATH"] = os.pathsep.join([impl["target"]] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env["PYTHONUNBUFFERED"] = "1"
-    if impl["fused_env"] is not None:
-        env["PEFT_DORA_FUSED"] = impl["fused_env"]
+    env.update(impl["env"])
     t0 = time.perf_counter()
     print(f"--- {tag}: starting", flush=True)
     try:
@@ -640,7 +642,7 @@ def tier_warnings(doc: dict) -> list:
     """Flag runs whose dispatch tiers contradict their label (e.g. "fused" that composed only eagerly)."""
     out = []
     for r in doc["speed"]:
-        tiers = set(r.get("tiers") or {})
+        tiers = set(r.get("tiers") or {}) & {"eager", "fused_forward", "fused_backward"}
         if r["impl"] == "ours_eager" and tiers - {"eager"}:
             out.append(f"ours_eager {r['mode']} r={r['rank']} {r['measure']} ran tiers {sorted(tiers)}")
         if r["impl"] == "ours_fused" and doc["kind"] == "gpu" and tiers and not tiers - {"eager"}:
@@ -721,7 +723,8 @@ def main(argv=None) -> int:
         return 0
     if args.headline:
         doc = json.loads(Path(args.headline).read_text())
-        path = Path(args.headline_path) if args.headline_path else Path(args.headline).resolve().parent / "headline.json"
+        default = Path(args.headline).resolve().parent / "headline.json"
+        path = Path(args.headline_path) if args.headline_path else default
         print(json.dumps(update_headline(doc, path), indent=2))
         print(f"updated {path}")
         return 0

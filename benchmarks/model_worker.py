@@ -65,7 +65,7 @@ def check_peft(impl: dict) -> dict:
     return {
         "peft_version": dists[0].version if dists else peft.__version__,
         "ours": ours,
-        "peft_dora_fused_env": os.environ.get("PEFT_DORA_FUSED"),
+        "peft_dora_env": {k: v for k, v in os.environ.items() if k.startswith("PEFT_DORA_")},
         "env": env,
     }
 
@@ -75,9 +75,12 @@ def _delta(before: dict, after: dict) -> dict:
 
 
 def tier_counts() -> dict:
+    """Our dispatch tiers and norm computations/reuses so far (empty for upstream, which has neither counter)."""
     from peft.tuners.lora import dora
 
-    return dict(getattr(dora, "tier_counts", {}))
+    counts = dict(getattr(dora, "tier_counts", {}))
+    counts.update(getattr(dora, "norm_counts", {}))
+    return counts
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from dora_testing import REPO_ROOT
 
 from tools import make_hf_patch, overlay, upstream

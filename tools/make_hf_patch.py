@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tools import overlay, upstream  # noqa: E402

@@ -19,6 +19,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tools import upstream  # noqa: E402

@@ -92,7 +92,8 @@ if _HAS_TRITON:
         out = (g - 1.0) * base + g * scaled
         tl.store(_at(out_ptr, rows, cols, stride_out), out.to(out_ptr.dtype.element_ty), mask=mask)
         if WRITE_INNER:
-            tl.store(_at(inner_ptr, rows, cols, stride_inner), (scaled + base).to(inner_ptr.dtype.element_ty), mask=mask)
+            inner = (scaled + base).to(inner_ptr.dtype.element_ty)
+            tl.store(_at(inner_ptr, rows, cols, stride_inner), inner, mask=mask)
 
     @triton.jit
     def _backward_kernel(

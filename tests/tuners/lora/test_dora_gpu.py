@@ -128,9 +128,11 @@ def _dora_linear(dtype, d_in=640, d_out=1000, r=16, dropout=0.0, seed=0):
 def _reference_fp64(layer, x, weights):
     """One DoRA Linear in fp64 from its definition: dense norm of W + s·B·A (detached), then the stable compose."""
     W, b = (t.detach().double() for t in (layer.base_layer.weight, layer.base_layer.bias))
-    A, B, m = (t.detach().double().requires_grad_() for t in (layer.lora_A["default"].weight,
-                                                             layer.lora_B["default"].weight,
-                                                             layer.lora_magnitude_vector["default"].weight))  # fmt: skip
+    A, B, m = (
+        t.detach().double().requires_grad_()
+        for t in (layer.lora_A["default"].weight, layer.lora_B["default"].weight)
+        + (layer.lora_magnitude_vector["default"].weight,)
+    )
     s = layer.scaling["default"]
     g = m / (W + s * B @ A).norm(dim=1).detach()
     xd = x.double()

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from dora_testing import assert_close
 from safetensors import safe_open
 
-import peft
 import peft.tuners.lora.dora as our_dora
-from dora_testing import assert_close
 from tools import upstream
 
 
