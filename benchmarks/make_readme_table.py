@@ -1,4 +1,4 @@
-"""Render the README's model-benchmark table (markdown) from a ``bench_model.py`` JSON.
+"""Render the README's benchmark tables (markdown) from a ``bench_model.py`` or ``bench_kernels.py`` JSON.
 
     python benchmarks/make_readme_table.py benchmarks/results/model_llama.json            # print the table
     python benchmarks/make_readme_table.py RESULT.json --write README.md                   # replace it in place
@@ -17,7 +17,7 @@ from pathlib import Path
 
 BEGIN, END = "<!-- bench-model:begin -->", "<!-- bench-model:end -->"
 IMPLS = (("upstream", "upstream PEFT 0.21.2 DoRA"), ("ours_eager", "ours, eager"), ("ours_fused", "ours, fused"),
-         ("lora", "plain LoRA (floor)"))
+         ("lora", "plain LoRA (floor)"), ("ours_fused_reuse", "ours, fused, `PEFT_DORA_NORM_CACHE=1`"))
 COLUMNS = (("train", "train step ms"), ("train_accum4", "train ×4 accum ms"), ("infer", "inference ms"),
            ("decode_per_token", "decode ms/token"))
 
@@ -95,13 +95,44 @@ def render(doc: dict, ranks=None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_into(path: Path, table: str) -> None:
+KERNEL_BEGIN, KERNEL_END = "<!-- bench-kernels:begin -->", "<!-- bench-kernels:end -->"
+KERNELS = (("compose", "compose"), ("fwd_inner", "forward-and-inner"), ("backward", "backward (with d_mag)"))
+
+
+def render_kernels(doc: dict) -> str:
+    """The kernel benchmark (``bench_kernels.py`` JSON): % of the measured copy bandwidth and speed-up vs eager."""
+    env, host = doc["env"], doc["host_overhead"]
+    lines = [
+        f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, triton {env['triton']}; {env['date']}. "
+        "Achieved bandwidth as % of a device-to-device copy of the same size measured in the same run (the "
+        "backward's roofline: 4 activation passes at that bandwidth), and speed-up over the eager PyTorch sequence.",
+        "",
+        "| dtype | tokens × d_out | " + " | ".join(f"{label} % / speed-up" for _, label in KERNELS) + " |",
+        "|---|---|" + "---|" * len(KERNELS),
+    ]
+    for r in doc["shapes"]:
+        if r["tokens"] * r["d_out"] < 2**27 and r["dtype"] != "bfloat16":
+            continue
+        cells = [r["dtype"], f"{r['tokens']} × {r['d_out']}"]
+        for op, _ in KERNELS:
+            cells.append(f"{r[op + '_fused']['pct_of_copy']:.1f} % / {r[op + '_speedup_vs_eager']:.2f}×")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(
+        "Host time per call (tiny tensors, GPU idle): "
+        + ", ".join(f"{k.replace('_', ' ')} {v['median_us']:.0f} µs" for k, v in host.items())
+        + "."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def write_into(path: Path, table: str, begin: str = BEGIN, end: str = END) -> None:
     text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} lacks the markers {BEGIN} ... {END}; add them where the table belongs")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path} lacks the markers {begin} ... {end}; add them where the table belongs")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{table}{end}{tail}")
 
 
 def main(argv=None) -> int:
@@ -111,9 +142,12 @@ def main(argv=None) -> int:
     p.add_argument("--write", metavar="MARKDOWN", help="replace the table between the markers in this file")
     args = p.parse_args(argv)
     doc = json.loads(Path(args.json).read_text())
-    table = render(doc, [int(r) for r in args.ranks.split(",")] if args.ranks else None)
+    if "shapes" in doc:  # a bench_kernels.py result
+        table, markers = render_kernels(doc), (KERNEL_BEGIN, KERNEL_END)
+    else:
+        table, markers = render(doc, [int(r) for r in args.ranks.split(",")] if args.ranks else None), (BEGIN, END)
     if args.write:
-        write_into(Path(args.write), table)
+        write_into(Path(args.write), table, *markers)
         print(f"updated {args.write}")
     else:
         print(table)
