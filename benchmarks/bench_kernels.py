@@ -103,12 +103,27 @@ def bench_crossover():
             "threshold_in_code": F._BACKWARD_CROSSOVER_NUMEL}  # fmt: skip
 
 
-def bench_host_overhead(calls=3000):
-    """Wall time per call on tiny tensors: the GPU idles, so this is the host cost of one fused call."""
+def host_us(fn, calls=3000):
+    """Wall time per call in µs (median, min, max of 5 loops) after a warm-up; with tiny tensors the GPU idles, so
+    this is the host cost of a call."""
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    return {"median_us": statistics.median(samples), "min_us": min(samples), "max_us": max(samples)}
+
+
+def bench_host_overhead():
+    """Host cost of one fused call on tiny tensors, next to the eager sequence."""
     lora, base = _acts(1, 64, torch.bfloat16, 2)
     g = 1 + 0.05 * torch.randn(64, device="cuda")
     d = torch.randn_like(lora)
-    out = {}
     cases = {
         "fused_compose": lambda: F.fused_dora_compose(lora, base, g, 0.5, inplace=False),
         "fused_compose_inplace": lambda: F.fused_dora_compose(lora, base, g, 0.5, inplace=True),
@@ -116,19 +131,7 @@ def bench_host_overhead(calls=3000):
         "fused_backward": lambda: F._fused_backward(d, base, g, 0.5, True, True, True),
         "eager_compose": lambda: F._compose_torch(lora, base, g, 0.5),
     }
-    for name, fn in cases.items():
-        for _ in range(200):
-            fn()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-            samples.append((time.perf_counter() - t0) / calls * 1e6)
-        out[name] = {"median_us": statistics.median(samples), "min_us": min(samples), "max_us": max(samples)}
-    return out
+    return {name: host_us(fn) for name, fn in cases.items()}
 
 
 def policy_sweep():

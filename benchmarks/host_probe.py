@@ -1,27 +1,11 @@
 """Where the host time of one fused compose call goes (tiny tensors, so the GPU idles): a torch op, Triton's own
 launcher, our checks. Usage on the GPU machine: python benchmarks/host_probe.py"""
 
-import statistics
-import time
-
 import torch
 import triton
+from bench_kernels import host_us
 
 import peft.tuners.lora.dora_fused as F
-
-
-def per_call_us(fn, calls=3000):
-    for _ in range(300):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(samples)
 
 
 def main():
@@ -43,7 +27,7 @@ def main():
         "_compose_torch": lambda: F._compose_torch(lora, base, g, 0.5),
     }
     for name, fn in cases.items():
-        print(f"{name:40s} {per_call_us(fn):7.2f} us")
+        print(f"{name:40s} {host_us(fn)['median_us']:7.2f} us")
 
 
 if __name__ == "__main__":
