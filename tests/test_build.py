@@ -53,14 +53,14 @@ def test_hf_patch_applies_to_upstream_source(tmp_path):
     # The patched tree is exactly what the build produces from the wheel.
     built = overlay.build_tree(tmp_path / "built")
     lora = Path("tuners/lora")
-    for name in ("dora.py", "dora_fused.py", "variants.py"):
+    for name in (*(Path(rel).name for rel in overlay.OVERLAY_FILES), "variants.py"):
         assert (tmp_path / "src/peft" / lora / name).read_bytes() == (built / lora / name).read_bytes(), name
 
 
 # ---------------------------------------------------------------------------------- installed package vs overlay
 
 
-def test_overlay_folder_holds_only_our_two_files():
+def test_overlay_folder_holds_only_our_files():
     files = {p.relative_to(OURS).as_posix() for p in OURS.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     assert files == set(overlay.OVERLAY_FILES)
     assert not list(OURS.rglob("__init__.py")), "an __init__.py would let the overlay folder shadow the install"

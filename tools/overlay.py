@@ -1,4 +1,4 @@
-"""Turn upstream PEFT into ours: copy upstream's package, drop in our two DoRA files, add the glue.
+"""Turn upstream PEFT into ours: copy upstream's package, drop in our DoRA files, add the glue.
 
 Used by `setup.py` (on the pinned wheel) and by `tools/make_hf_patch.py` (on the pinned sdist), so the wheel we
 build and the `hf.patch` we publish carry exactly the same change.
@@ -13,7 +13,7 @@ from pathlib import Path
 from . import upstream
 
 
-OVERLAY_FILES = ("tuners/lora/dora.py", "tuners/lora/dora_fused.py")
+OVERLAY_FILES = ("tuners/lora/dora.py", "tuners/lora/dora_cache.py", "tuners/lora/dora_fused.py")
 GLUE_FILE = "tuners/lora/variants.py"
 # Upstream resolves every DoRA variant through `variants.Dora*Variant` at call time (layer.py, bnb.py, gptq.py,
 # hqq.py), so rebinding those names at the end of variants.py routes all of DoRA to our dora.py.

@@ -23,10 +23,8 @@ bounded by ``PEFT_DORA_NORM_CHUNK_MB``. The magnitude division and the compositi
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import threading
-import weakref
 from copy import deepcopy
 from dataclasses import dataclass
 from functools import wraps
@@ -35,16 +33,16 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 from peft.utils.other import transpose
 
 from . import dora_fused
+from .dora_cache import Memo, identity_tracked, memoised, source, watch_merges
+from .dora_cache import invalidate_norm_caches as invalidate_norm_caches  # public here, as documented
+from .dora_cache import norm_counts as norm_counts  # public here, as documented
 from .layer import LoraVariant
 
-
-logger = logging.getLogger(__name__)
 
 ENABLE_DORA_CACHING = False
 """Cache the weight norm in eval mode (see ``peft.helpers.DoraCaching``); no dense ``B·A`` is ever cached."""
@@ -290,129 +288,12 @@ def _magnitude_scale(magnitude: torch.Tensor, weight_norm: torch.Tensor, weight_
     return magnitude / weight_norm.clamp_min(_eps_for(weight_dtype))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Norm reuse: the norm depends only on W, A, B and s, which change at optimizer steps and merges, not per forward.
-# ---------------------------------------------------------------------------------------------------------------
-
-norm_counts: collections.Counter = collections.Counter()
-"""DoRA forwards' weight norms and scales, ``norm_computed``/``norm_reused``, ``scale_computed``/``scale_reused``."""
-
-_epoch = [0]  # bumped by every optimizer step and every merge/unmerge: no norm memo survives either
-
-
-def _bump_epoch(*_args, **_kwargs) -> None:
-    _epoch[0] += 1
-
-
-def invalidate_norm_caches() -> None:
-    """Forget every reused DoRA norm and scale. Needed only after writing parameters through ``.data`` (or another
-    path PyTorch's version counters do not see) while ``PEFT_DORA_NORM_CACHE=1``."""
-    _bump_epoch()
-
-
-# Optimizers built on torch.optim (PyTorch's, bitsandbytes', DeepSpeed's) may write parameters through `.data`,
-# which PyTorch's version counters do not see; a global step hook catches all of them.
-register_optimizer_step_post_hook(_bump_epoch)
-
-
-def _watch_merges(cls: type) -> None:
-    """Make ``cls.merge``/``cls.unmerge`` bump the epoch: upstream merges write the base weight through ``.data``."""
-    if cls.__dict__.get("_dora_merges_watched"):
-        return
-    for name in ("merge", "unmerge"):
-        method = getattr(cls, name)
-
-        @wraps(method)
-        def watched(self, *args, _method=method, **kwargs):
-            try:
-                return _method(self, *args, **kwargs)
-            finally:
-                _bump_epoch()
-
-        setattr(cls, name, watched)
-    cls._dora_merges_watched = True
-
-
-def _identity_tracked(tensors) -> bool:
-    """True when every change of these tensors' values shows in their version counter or storage.
-
-    Sharded or wrapped parameters (DeepSpeed ZeRO-3, DTensor/FSDP2, quantized parameter classes) are re-gathered or
-    re-materialised behind PyTorch's back; inference tensors have no version counter.
-    """
-    return all(
-        type(t) in (torch.Tensor, nn.Parameter) and not hasattr(t, "ds_id") and not t.is_inference() for t in tensors
-    )
-
-
-class _Memo:
-    """A value computed from some tensors, valid while the very same tensor objects keep their storage, version
-    counter, layout and dtype, the extra key (e.g. the scaling) is unchanged, and no optimizer step or merge happened
-    since (the epoch). Copies and pickles of a layer start empty."""
-
-    __slots__ = ("refs", "key", "value")
-
-    def __init__(self):
-        self.clear()
-
-    def clear(self) -> None:
-        self.refs, self.key, self.value = (), None, None
-
-    def __deepcopy__(self, memo):
-        return _Memo()
-
-    def __reduce__(self):
-        return (_Memo, ())
-
-    @staticmethod
-    def _key(tensors, extra) -> tuple:
-        return (_epoch[0], extra) + tuple(
-            (t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors
-        )
-
-    def get(self, tensors, extra=()) -> Optional[torch.Tensor]:
-        if self.value is None or len(self.refs) != len(tensors):
-            return None
-        if any(ref() is not t for ref, t in zip(self.refs, tensors)) or self._key(tensors, extra) != self.key:
-            return None
-        return self.value
-
-    def put(self, tensors, value: torch.Tensor, extra=()) -> torch.Tensor:
-        self.refs, self.key, self.value = tuple(weakref.ref(t) for t in tensors), self._key(tensors, extra), value
-        return value
-
-
-def _source(t: torch.Tensor) -> torch.Tensor:
-    """The tensor that owns a view's storage (the parameter behind ``lora_embedding_A.T``), else ``t`` itself."""
-    return t if t._base is None else t._base
-
-
 def _reuse_mode() -> Optional[str]:
-    """``"any"``: reuse across forwards; ``"recompute"``: only in a gradient-checkpoint recompute; None: never."""
+    """``"any"``: reuse norms across forwards; ``"recompute"``: only in a gradient-checkpoint recompute; None: never."""
     mode = _env().norm_cache
     if mode is False:
         return None
-    # A recompute runs inside backward (an autograd graph task is active), after its own forward of the same step:
-    # nothing but `.data` writes – which autograd's own saved-tensor checks cannot see either – can come between.
     return "any" if mode else "recompute"
-
-
-def _memoised(memo: _Memo, what: str, sources, compute, extra=()) -> torch.Tensor:
-    """``compute()`` unless ``memo`` holds its value for ``sources`` and reuse is allowed here; counted as ``what``."""
-    if torch.compiler.is_compiling():
-        return compute()  # a traced graph has no storage to identify, and counters would be side effects
-    mode = _reuse_mode()
-    if mode is None or not _identity_tracked(sources):
-        norm_counts[what + "_computed"] += 1
-        return compute()
-    if mode == "any" or torch._C._current_graph_task_id() != -1:
-        hit = memo.get(sources, extra)
-        if hit is not None:
-            norm_counts[what + "_reused"] += 1
-            return hit
-    norm_counts[what + "_computed"] += 1
-    if torch.is_inference_mode_enabled():
-        return compute()  # an inference tensor must not reach a later forward that autograd records
-    return memo.put(sources, compute(), extra)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -513,7 +394,7 @@ class DoraLinearLayer(nn.Module):
         self.fan_in_fan_out = fan_in_fan_out
         self._dora_cache: dict[str, Any] = {}  # not part of the state_dict
         self.last_tier: Optional[str] = None  # the dispatch tier of the latest forward
-        self._norm_memo, self._w_sq_memo, self._scale_memo = _Memo(), _Memo(), _Memo()
+        self._norm_memo, self._w_sq_memo, self._scale_memo = Memo(), Memo(), Memo()
 
     def _cache_store(self, key: str, value: Any) -> None:
         self._dora_cache[key] = value
@@ -538,10 +419,11 @@ class DoraLinearLayer(nn.Module):
         return factored_row_norm(transpose(weight, self.fan_in_fan_out), lora_A, lora_B, scaling, w_sq=w_sq)
 
     def _forward_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
-        """The norm for this forward, reused while W, A, B and s are provably unchanged (see ``_memoised``)."""
-        sources = (weight, _source(lora_A), _source(lora_B))
-        return _memoised(
+        """The norm for this forward, reused while W, A, B and s provably hold (see ``dora_cache.memoised``)."""
+        sources = (weight, source(lora_A), source(lora_B))
+        return memoised(
             self._norm_memo,
+            _reuse_mode(),
             "norm",
             sources,
             lambda: self._fresh_norm(weight, lora_A, lora_B, scaling, adapter_name),
@@ -550,7 +432,7 @@ class DoraLinearLayer(nn.Module):
 
     def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
         w_sq = None
-        if _reuse_mode() == "any" and _identity_tracked((weight,)):
+        if _reuse_mode() == "any" and identity_tracked((weight,)):
             # a frozen W keeps its ||W||²_row across optimizer steps: only the cross and Gram terms are new
             w_sq = self._w_sq_memo.get((weight,))
             if w_sq is None:
@@ -562,8 +444,9 @@ class DoraLinearLayer(nn.Module):
         magnitude = self.weight
         if torch.is_grad_enabled() and magnitude.requires_grad:
             return _magnitude_scale(magnitude, weight_norm, weight_dtype)
-        return _memoised(
+        return memoised(
             self._scale_memo,
+            _reuse_mode(),
             "scale",
             (magnitude, weight_norm),
             lambda: _magnitude_scale(magnitude, weight_norm, weight_dtype),
@@ -696,7 +579,7 @@ class DoraConv3dLayer(_DoraConvNdLayer):
 
 
 def _register_magnitude(module) -> None:
-    _watch_merges(type(module))
+    watch_merges(type(module))
     if not module.lora_magnitude_vector:
         # the first DoRA adapter on this layer: the magnitudes become trainable adapter weights
         module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)

@@ -1,0 +1,142 @@
+# Copyright 2026-present the peft-dora-fast authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Reuse of DoRA norms: the norm depends only on W, A, B and s, which change at optimizer steps and merges, not per
+forward. A value is reused only while PyTorch can prove its inputs unchanged (see ``Memo``); ``dora.py`` decides
+when reuse is allowed at all (``PEFT_DORA_NORM_CACHE``)."""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from functools import wraps
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+
+norm_counts: collections.Counter = collections.Counter()
+"""DoRA forwards' weight norms and scales, ``norm_computed``/``norm_reused``, ``scale_computed``/``scale_reused``."""
+
+_epoch = [0]  # bumped by every optimizer step and every merge/unmerge: no norm memo survives either
+
+
+def _bump_epoch(*_args, **_kwargs) -> None:
+    _epoch[0] += 1
+
+
+def invalidate_norm_caches() -> None:
+    """Forget every reused DoRA norm and scale. Needed only after writing parameters through ``.data`` (or another
+    path PyTorch's version counters do not see) while ``PEFT_DORA_NORM_CACHE=1``."""
+    _bump_epoch()
+
+
+# Optimizers built on torch.optim (PyTorch's, bitsandbytes', DeepSpeed's) may write parameters through `.data`,
+# which PyTorch's version counters do not see; a global step hook catches all of them.
+register_optimizer_step_post_hook(_bump_epoch)
+
+
+def watch_merges(cls: type) -> None:
+    """Make ``cls.merge``/``cls.unmerge`` bump the epoch: upstream merges write the base weight through ``.data``."""
+    if cls.__dict__.get("_dora_merges_watched"):
+        return
+    for name in ("merge", "unmerge"):
+        method = getattr(cls, name)
+
+        @wraps(method)
+        def watched(self, *args, _method=method, **kwargs):
+            try:
+                return _method(self, *args, **kwargs)
+            finally:
+                _bump_epoch()
+
+        setattr(cls, name, watched)
+    cls._dora_merges_watched = True
+
+
+def identity_tracked(tensors) -> bool:
+    """True when every change of these tensors' values shows in their version counter or storage.
+
+    Sharded or wrapped parameters (DeepSpeed ZeRO-3, DTensor/FSDP2, quantized parameter classes) are re-gathered or
+    re-materialised behind PyTorch's back; inference tensors have no version counter.
+    """
+    return all(
+        type(t) in (torch.Tensor, nn.Parameter) and not hasattr(t, "ds_id") and not t.is_inference() for t in tensors
+    )
+
+
+class Memo:
+    """A value computed from some tensors, valid while the very same tensor objects keep their storage, version
+    counter, layout and dtype, the extra key (e.g. the scaling) is unchanged, and no optimizer step or merge happened
+    since (the epoch). Copies and pickles of a layer start empty."""
+
+    __slots__ = ("refs", "key", "value")
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.refs, self.key, self.value = (), None, None
+
+    def __deepcopy__(self, memo):
+        return Memo()
+
+    def __reduce__(self):
+        return (Memo, ())
+
+    @staticmethod
+    def _key(tensors, extra) -> tuple:
+        return (_epoch[0], extra) + tuple(
+            (t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors
+        )
+
+    def get(self, tensors, extra=()) -> Optional[torch.Tensor]:
+        if self.value is None or len(self.refs) != len(tensors):
+            return None
+        if any(ref() is not t for ref, t in zip(self.refs, tensors)) or self._key(tensors, extra) != self.key:
+            return None
+        return self.value
+
+    def put(self, tensors, value: torch.Tensor, extra=()) -> torch.Tensor:
+        self.refs, self.key, self.value = tuple(weakref.ref(t) for t in tensors), self._key(tensors, extra), value
+        return value
+
+
+def source(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns a view's storage (the parameter behind ``lora_embedding_A.T``), else ``t`` itself."""
+    return t if t._base is None else t._base
+
+
+def memoised(memo: Memo, mode: Optional[str], what: str, sources, compute, extra=()) -> torch.Tensor:
+    """``compute()`` unless ``memo`` holds its value for ``sources`` and ``mode`` allows reuse here.
+
+    ``mode``: ``"any"`` reuses across forwards, ``"recompute"`` only inside backward (a gradient-checkpoint recompute
+    runs there, after its own forward of the same step: nothing but ``.data`` writes, which autograd's own
+    saved-tensor checks cannot see either, can come between), None never. Counted in ``norm_counts`` as ``what``.
+    """
+    if torch.compiler.is_compiling():
+        return compute()  # a traced graph has no storage to identify, and counters would be side effects
+    if mode is None or not identity_tracked(sources):
+        norm_counts[what + "_computed"] += 1
+        return compute()
+    if mode == "any" or torch._C._current_graph_task_id() != -1:
+        hit = memo.get(sources, extra)
+        if hit is not None:
+            norm_counts[what + "_reused"] += 1
+            return hit
+    norm_counts[what + "_computed"] += 1
+    if torch.is_inference_mode_enabled():
+        return compute()  # an inference tensor must not reach a later forward that autograd records
+    return memo.put(sources, compute(), extra)
