@@ -93,8 +93,18 @@ def test_installed_version_has_dora_local_label():
 
 @pytest.mark.slow
 def test_pip_wheel_of_the_repo(tmp_path):
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
-           str(REPO_ROOT)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        str(tmp_path),
+        str(REPO_ROOT),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (whl,) = tmp_path.glob("peft-*.whl")

@@ -26,7 +26,7 @@ from tools import upstream
 
 # Shared by both processes. `init_lora_weights=False` makes B non-zero, and the magnitude is scaled away from the
 # weight norm it is initialised to, so the checkpoint's lora_A, lora_B and magnitude all change the output.
-MODELS = r'''
+MODELS = r"""
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -81,10 +81,12 @@ def load_adapter(kind, path):
 @torch.no_grad()
 def output(model, x):
     return model(x)
-'''
+"""
 
 # The upstream side: `save` makes and saves adapters, `load` loads ours; both write their outputs.
-UPSTREAM_SCRIPT = MODELS + r'''
+UPSTREAM_SCRIPT = (
+    MODELS
+    + r"""
 import json, sys
 from pathlib import Path
 import peft, peft.tuners.lora.dora as dora
@@ -99,7 +101,8 @@ for kind in kinds:
         model, x = load_adapter(kind, d / "adapter")
     torch.save(output(model, x), d / "upstream_out.pt")
 print(json.dumps({"peft": peft.__file__, "dora": dora.__file__, "version": peft.__version__}))
-'''
+"""
+)
 
 KINDS = ["linear", "embedding", "conv1d", "conv2d", "conv3d", "gpt2_conv1d"]
 _models: dict = {}
@@ -122,8 +125,14 @@ def _run_upstream(upstream_env, mode: str, workdir: Path) -> None:
     target, env = upstream_env
     script = workdir / "upstream_side.py"
     script.write_text(UPSTREAM_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), mode, str(workdir), *KINDS], cwd=workdir, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), mode, str(workdir), *KINDS],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     # It really was upstream: imported from the target dir, without our factored norm.
@@ -194,7 +203,9 @@ def test_both_sides_write_the_same_checkpoint(saved_by_ours, saved_by_upstream, 
         else:
             assert torch.equal(ours[key], theirs[key]), key
     # auto_mapping names the module that defined the test's `Net` (exec'd here, __main__ there), not the adapter.
-    ours_cfg, theirs_cfg = (json.loads((root / kind / "adapter" / "adapter_config.json").read_text())
-                            for root in (saved_by_ours, saved_by_upstream))
+    ours_cfg, theirs_cfg = (
+        json.loads((root / kind / "adapter" / "adapter_config.json").read_text())
+        for root in (saved_by_ours, saved_by_upstream)
+    )
     ours_cfg.pop("auto_mapping"), theirs_cfg.pop("auto_mapping")
     assert ours_cfg == theirs_cfg

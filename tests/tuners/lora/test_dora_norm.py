@@ -97,15 +97,11 @@ def test_transients_stay_within_the_chunk_budget():
     assert max(nbytes for _, _, nbytes in rec.calls) <= max(budget, rank_sized)
 
 
-def test_default_budget_comes_from_the_environment(monkeypatch):
-    monkeypatch.setenv("PEFT_DORA_NORM_CHUNK_MB", "16")
-    dora._invalidate_fused_cache()
-    try:
-        assert dora.get_dora_norm_threshold_mb() == 16
-        assert dora.get_dora_norm_threshold_bytes() == 16 << 20
-    finally:
-        monkeypatch.delenv("PEFT_DORA_NORM_CHUNK_MB")
-        dora._invalidate_fused_cache()
+def test_default_budget_comes_from_the_environment(dora_env):
+    dora_env("PEFT_DORA_NORM_CHUNK_MB", "16")
+    assert dora.get_dora_norm_threshold_mb() == 16
+    assert dora.get_dora_norm_threshold_bytes() == 16 << 20
+    dora_env("PEFT_DORA_NORM_CHUNK_MB", None)
     assert dora.get_dora_norm_threshold_mb() == 256
 
 
@@ -147,28 +143,18 @@ def test_conv_norm_matches_upstream_semantics(groups, r):
 
 
 @pytest.mark.parametrize("value", ["2", "yes", "-1"])
-def test_invalid_fused_env_value_is_a_clear_error(monkeypatch, value):
-    monkeypatch.setenv("PEFT_DORA_FUSED", value)
-    dora._invalidate_fused_cache()
-    try:
-        with pytest.raises(ValueError, match="PEFT_DORA_FUSED"):
-            dora._use_fused_kernels()
-    finally:
-        monkeypatch.delenv("PEFT_DORA_FUSED")
-        dora._invalidate_fused_cache()
+def test_invalid_fused_env_value_is_a_clear_error(dora_env, value):
+    dora_env("PEFT_DORA_FUSED", value)
+    with pytest.raises(ValueError, match="PEFT_DORA_FUSED"):
+        dora._use_fused_kernels()
 
 
 @pytest.mark.parametrize("name", ["PEFT_DORA_FUSED", "PEFT_DORA_FUSED_BACKWARD"])
 @pytest.mark.parametrize("value,expected", [("1", True), ("TRUE", True), ("0", False), ("false", False), ("", None)])
-def test_tristate_env_values(monkeypatch, name, value, expected):
-    monkeypatch.setenv(name, value)
-    dora._invalidate_fused_cache()
-    try:
-        env = dora._env()
-        assert (env.fused if name == "PEFT_DORA_FUSED" else env.fused_backward) is expected
-    finally:
-        monkeypatch.delenv(name)
-        dora._invalidate_fused_cache()
+def test_tristate_env_values(dora_env, name, value, expected):
+    dora_env(name, value)
+    env = dora._env()
+    assert (env.fused if name == "PEFT_DORA_FUSED" else env.fused_backward) is expected
 
 
 @pytest.mark.parametrize("bad", [15, 65537, 1.5, "64", True])
@@ -177,23 +163,14 @@ def test_set_norm_threshold_validates(bad):
         dora.set_dora_norm_threshold_mb(bad)
 
 
-def test_set_norm_threshold_round_trip(monkeypatch):
-    monkeypatch.delenv("PEFT_DORA_NORM_CHUNK_MB", raising=False)
-    try:
-        dora.set_dora_norm_threshold_mb(64)
-        assert dora.get_dora_norm_threshold_mb() == 64
-    finally:
-        monkeypatch.delenv("PEFT_DORA_NORM_CHUNK_MB", raising=False)
-        dora._invalidate_fused_cache()
+def test_set_norm_threshold_round_trip(dora_env):
+    dora_env("PEFT_DORA_NORM_CHUNK_MB", None)
+    dora.set_dora_norm_threshold_mb(64)  # sets the variable itself; dora_env's teardown restores it
+    assert dora.get_dora_norm_threshold_mb() == 64
 
 
 @pytest.mark.parametrize("value", ["8", "abc", "70000"])
-def test_invalid_chunk_env_is_a_clear_error(monkeypatch, value):
-    monkeypatch.setenv("PEFT_DORA_NORM_CHUNK_MB", value)
-    dora._invalidate_fused_cache()
-    try:
-        with pytest.raises(ValueError, match="PEFT_DORA_NORM_CHUNK_MB"):
-            dora.get_dora_norm_threshold_mb()
-    finally:
-        monkeypatch.delenv("PEFT_DORA_NORM_CHUNK_MB")
-        dora._invalidate_fused_cache()
+def test_invalid_chunk_env_is_a_clear_error(dora_env, value):
+    dora_env("PEFT_DORA_NORM_CHUNK_MB", value)
+    with pytest.raises(ValueError, match="PEFT_DORA_NORM_CHUNK_MB"):
+        dora.get_dora_norm_threshold_mb()

@@ -21,17 +21,8 @@ from peft.tuners.lora import dora
 
 
 @pytest.fixture
-def norm_cache(monkeypatch):
-    def set_mode(value):
-        if value is None:
-            monkeypatch.delenv("PEFT_DORA_NORM_CACHE", raising=False)
-        else:
-            monkeypatch.setenv("PEFT_DORA_NORM_CACHE", value)
-        dora._invalidate_fused_cache()
-
-    yield set_mode
-    monkeypatch.delenv("PEFT_DORA_NORM_CACHE", raising=False)
-    dora._invalidate_fused_cache()
+def norm_cache(dora_env):
+    return lambda value: dora_env("PEFT_DORA_NORM_CACHE", value)
 
 
 class Checkpointed(nn.Module):
