@@ -45,11 +45,15 @@ IMPLS = {
     "ours_eager": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_FUSED": "0"}},
     "ours_fused": {"wheel": "ours", "ours": True, "dora": True, "env": {}},
     "lora": {"wheel": "upstream", "ours": False, "dora": False, "env": {}},
-    # opt-in (not in the default --impls): the fused tier with norm reuse across forwards
+    # opt-in (not in the default --impls): the fused tier with norm reuse across forwards; and the fused tier forced
+    # on every composition, so that a small model (below the crossover, where "ours_fused" runs eager) tests the
+    # kernels in training (convergence eager vs fused)
     "ours_fused_reuse": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_NORM_CACHE": "1"}},
+    "ours_fused_forced": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_FUSED_BACKWARD": "1"}},
 }
 DEFAULT_IMPLS = ("upstream", "ours_eager", "ours_fused", "lora")
 DORA_IMPLS = ("upstream", "ours_eager", "ours_fused")
+CONVERGENCE_IMPLS = DORA_IMPLS + ("ours_fused_forced",)
 MODES = ("autocast", "bf16")
 MEASURES = ("train", "train_accum4", "infer", "decode")
 EXTRA_MEASURES = ("decode_cached",)  # opt-in: decode under peft.helpers.DoraCaching
@@ -281,7 +285,7 @@ def plan_jobs(cfg: dict) -> list:
         tasks = []
         if "fidelity" in cfg["tasks"] and impl in DORA_IMPLS:
             tasks.append("fidelity")
-        if "convergence" in cfg["tasks"] and impl in DORA_IMPLS:
+        if "convergence" in cfg["tasks"] and impl in CONVERGENCE_IMPLS:
             tasks.append("convergence")
         if "profile" in cfg["tasks"] and impl in cfg["profile"]["impls"]:
             tasks.append("profile")
@@ -421,7 +425,8 @@ def fidelity_metrics(files: dict) -> dict:
 
 def convergence_metrics(losses: dict) -> dict:
     """Per seed: mean and max |Δloss| per step of ours (eager, fused) vs upstream and of eager vs fused."""
-    pairs = [("ours_fused", "upstream"), ("ours_eager", "upstream"), ("ours_eager", "ours_fused")]
+    pairs = [("ours_fused", "upstream"), ("ours_eager", "upstream"), ("ours_eager", "ours_fused"),
+             ("ours_fused_forced", "upstream"), ("ours_eager", "ours_fused_forced")]  # fmt: skip
     out = {}
     for a, b in pairs:
         if a not in losses or b not in losses:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 BEGIN, END = "<!-- bench-model:begin -->", "<!-- bench-model:end -->"
 IMPLS = (("upstream", "upstream PEFT 0.21.2 DoRA"), ("ours_eager", "ours, eager"), ("ours_fused", "ours, fused"),
-         ("lora", "plain LoRA (floor)"), ("ours_fused_reuse", "ours, fused, `PEFT_DORA_NORM_CACHE=1`"))
+         ("lora", "plain LoRA (floor)"), ("ours_fused_reuse", "ours, fused, `PEFT_DORA_NORM_CACHE=1`"),
+         ("ours_fused_forced", "ours, fused forced (`PEFT_DORA_FUSED_BACKWARD=1`)"))
 COLUMNS = (("train", "train step ms"), ("train_accum4", "train ×4 accum ms"), ("infer", "inference ms"),
            ("decode_per_token", "decode ms/token"))
 
