@@ -93,6 +93,17 @@ def render(doc: dict, ranks=None) -> str:
             f"Convergence ({cc['steps']} AdamW steps, r={cc['rank']}, {len(cc['seeds'])} seeds): mean |Δloss| per "
             f"step ours fused vs upstream {c['mean_abs_dloss']:.2e} (max {c['max_abs_dloss']:.2e})."
         )
+    if "ours_eager_vs_ours_fused_forced" in conv:
+        c = conv["ours_eager_vs_ours_fused_forced"]
+        lines.append(
+            f"Ours eager vs ours with the fused kernels forced on every module: {c['mean_abs_dloss']:.2e} "
+            f"(max {c['max_abs_dloss']:.2e}); final losses per seed: "
+            + "; ".join(
+                f"{impl} " + ", ".join(f"{v:.3f}" for v in finals.values())
+                for impl, finals in conv.get("final_loss", {}).items()
+            )
+            + "."
+        )
     return "\n".join(lines) + "\n"
 
 
