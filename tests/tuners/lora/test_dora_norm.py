@@ -174,3 +174,17 @@ def test_invalid_chunk_env_is_a_clear_error(dora_env, value):
     dora_env("PEFT_DORA_NORM_CHUNK_MB", value)
     with pytest.raises(ValueError, match="PEFT_DORA_NORM_CHUNK_MB"):
         dora.get_dora_norm_threshold_mb()
+
+
+def test_empty_input_dimension():
+    norm = factored_row_norm(torch.zeros(3, 0), torch.zeros(2, 0), torch.ones(3, 2), 1.0)
+    torch.testing.assert_close(norm, torch.zeros(3))
+
+
+def test_launch_count_of_a_one_chunk_norm():
+    # The norm's cost on real models is host time per launched op: keep it to a dozen for a single chunk.
+    weight, lora_A, lora_B = make(64, 128, 8, torch.float32)
+    with RecordOps() as rec:
+        factored_row_norm(weight, lora_A, lora_B, 0.5)
+    kernels = [str(f) for f, _, _ in rec.calls if not f.is_view]  # views launch nothing
+    assert len(kernels) <= 12, kernels
