@@ -29,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,8 +121,9 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0)
     a("--ours-wheel", help="our built wheel, or a directory holding an install of it (default: .carry-bench/)")
     a("--upstream-wheel", help="the pinned upstream wheel or an install directory (default: .carry-bench/)")
-    a("--target-root", default="/tmp/peft_bench_targets", help="where each wheel is pip-installed (--target)")
-    a("--workdir", default="/tmp/peft_bench_work", help="subprocess specs, logits and gradients (.pt)")
+    tmp = tempfile.gettempdir()
+    a("--target-root", default=os.path.join(tmp, "peft_bench_targets"), help="where each wheel is pip-installed")
+    a("--workdir", default=os.path.join(tmp, "peft_bench_work"), help="subprocess specs, logits and gradients (.pt)")
     a("--out-dir", help="JSON and PNGs (default benchmarks/results, or results/cpu_smoke off the GPU)")
     a("--out", help="JSON file name (default model_<preset>.json)")
     a("--deadline-min", type=float, default=0.0, help="skip jobs that would start after this many minutes")
