@@ -38,7 +38,7 @@ from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 from peft.utils.other import transpose
 
 from . import dora_fused
-from .dora_cache import Memo, identity_tracked, memoised, source, watch_merges
+from .dora_cache import Memo, memoised, source, watch_merges
 from .dora_cache import invalidate_norm_caches as invalidate_norm_caches  # public here, as documented
 from .dora_cache import norm_counts as norm_counts  # public here, as documented
 from .layer import LoraVariant
@@ -435,11 +435,11 @@ class DoraLinearLayer(nn.Module):
 
     def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
         w_sq = None
-        if _reuse_mode() == "any" and identity_tracked((weight,)):
+        if _reuse_mode() == "any":
             # a frozen W keeps its ||W||²_row across optimizer steps: only the cross and Gram terms are new
-            w_sq = self._w_sq_memo.get((weight,))
-            if w_sq is None:
-                w_sq = self._w_sq_memo.put((weight,), row_sq_norm(transpose(weight, self.fan_in_fan_out)))
+            w_sq = memoised(
+                self._w_sq_memo, "any", "w_sq", (weight,), lambda: row_sq_norm(transpose(weight, self.fan_in_fan_out))
+            )
         return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
 
     def _scale(self, weight_norm: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
@@ -595,28 +595,31 @@ def _merge_factor(module, active_adapter: str, weight_norm: torch.Tensor, view_s
 
 
 class _DoraVariantBase(LoraVariant):
-    """merge/unmerge shared by all DoRA variants; subclasses say how to take the norm and shape the factor.
+    """merge/unmerge shared by all DoRA variants; subclasses say where the factors live and how to shape the factor.
 
     The norm is taken on the base weight with earlier merged adapters taken out (``_unmerged_base_weight``), as
     ``forward`` sees it, and cached on the module so ``unmerge`` divides by exactly the factor ``merge`` applied.
     """
 
     @staticmethod
-    def _merge_norm(module, active_adapter: str, base_weight: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    def _factors(module, active_adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) of the adapter as its DoRA layer's ``get_weight_norm`` takes them."""
+        return module.lora_A[active_adapter].weight, module.lora_B[active_adapter].weight
 
     @staticmethod
-    def _factor_view(module, orig_weight: torch.Tensor) -> tuple[int, ...]:
+    def _factor_view(module) -> tuple[int, ...]:
         raise NotImplementedError
 
     @classmethod
     def _merge_parts(cls, module, active_adapter, orig_weight, safe_merge: bool):
         """(delta, factor) for merging: the factor is m / norm of the unmerged base weight plus this adapter."""
         delta_weight = module.get_delta_weight(active_adapter)
+        dora_layer = module.lora_magnitude_vector[active_adapter]
         with module._unmerged_base_weight(safe_merge=safe_merge) as base_weight:
-            weight_norm = cls._merge_norm(module, active_adapter, base_weight)
+            lora_A, lora_B = cls._factors(module, active_adapter)
+            weight_norm = dora_layer.get_weight_norm(base_weight, lora_A, lora_B, module.scaling[active_adapter])
         module._cache_store(f"{active_adapter}-weight_norm", weight_norm)
-        factor = _merge_factor(module, active_adapter, weight_norm, cls._factor_view(module, orig_weight))
+        factor = _merge_factor(module, active_adapter, weight_norm, cls._factor_view(module))
         return delta_weight, factor
 
     @classmethod
@@ -636,7 +639,7 @@ class _DoraVariantBase(LoraVariant):
     def unmerge(cls, module, active_adapter: str, orig_weight: torch.Tensor) -> torch.Tensor:
         delta_weight = module.get_delta_weight(active_adapter)
         weight_norm = module._cache_pop(f"{active_adapter}-weight_norm")
-        factor = _merge_factor(module, active_adapter, weight_norm, cls._factor_view(module, orig_weight))
+        factor = _merge_factor(module, active_adapter, weight_norm, cls._factor_view(module))
         return (orig_weight.data / factor - delta_weight).to(orig_weight.dtype)
 
 
@@ -662,16 +665,7 @@ class DoraLinearVariant(_DoraVariantBase):
         module.lora_magnitude_vector[adapter_name] = dora_layer
 
     @staticmethod
-    def _merge_norm(module, active_adapter, base_weight):
-        return factored_row_norm(
-            transpose(base_weight, module.fan_in_fan_out),
-            module.lora_A[active_adapter].weight,
-            module.lora_B[active_adapter].weight,
-            module.scaling[active_adapter],
-        )
-
-    @staticmethod
-    def _factor_view(module, orig_weight):
+    def _factor_view(module):
         return (1, -1) if module.fan_in_fan_out else (-1, 1)
 
     @staticmethod
@@ -715,16 +709,11 @@ class DoraEmbeddingVariant(_DoraVariantBase):
         module.lora_magnitude_vector[adapter_name] = dora_layer
 
     @staticmethod
-    def _merge_norm(module, active_adapter, base_weight):
-        return factored_row_norm(
-            base_weight.T,
-            module.lora_embedding_A[active_adapter],
-            module.lora_embedding_B[active_adapter],
-            module.scaling[active_adapter],
-        )
+    def _factors(module, active_adapter):
+        return module.lora_embedding_A[active_adapter], module.lora_embedding_B[active_adapter]
 
     @staticmethod
-    def _factor_view(module, orig_weight):
+    def _factor_view(module):
         return (1, -1)
 
     @staticmethod
@@ -760,16 +749,7 @@ class _DoraConvNdVariant(_DoraVariantBase):
         module.lora_magnitude_vector[adapter_name] = dora_layer
 
     @staticmethod
-    def _merge_norm(module, active_adapter, base_weight):
-        return factored_conv_norm(
-            base_weight,
-            module.lora_A[active_adapter].weight,
-            module.lora_B[active_adapter].weight,
-            module.scaling[active_adapter],
-        )
-
-    @staticmethod
-    def _factor_view(module, orig_weight):
+    def _factor_view(module):
         return module._get_dora_factor_view()
 
     forward = staticmethod(DoraLinearVariant.forward)
