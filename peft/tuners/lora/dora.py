@@ -311,10 +311,12 @@ tier_counts: collections.Counter = collections.Counter()
 """How often each tier composed a DoRA output since import (or since ``tier_counts.clear()``)."""
 
 
-def _select_tier(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> str:
+def _kernels_allowed(lora: torch.Tensor) -> bool:
+    """Whether the fused tiers may run for this tensor: PEFT_DORA_FUSED not 0, Triton and CUDA (or the interpreter).
+    Forcing the kernels on where they cannot run is an error, not a silent fallback."""
     env = _env()
     if env.fused is False:
-        return TIER_EAGER
+        return False
     if not dora_fused.kernels_available(lora):
         if env.fused is True:
             raise RuntimeError(
@@ -322,13 +324,18 @@ def _select_tier(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> str
                 f"CUDA tensors (got {lora.device} tensors; Triton importable: {is_triton_available()}). "
                 "Unset PEFT_DORA_FUSED for automatic selection or set it to 0 for the eager path."
             )
-        return TIER_EAGER
-    if not dora_fused.kernels_support(lora, base, g):
+        return False
+    return True
+
+
+def _select_tier(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> str:
+    if not _kernels_allowed(lora) or not dora_fused.kernels_support(lora, base, g):
         return TIER_EAGER
     if torch.is_grad_enabled() and (lora.requires_grad or base.requires_grad or g.requires_grad):
-        if env.fused_backward is False:
+        fused_backward = _env().fused_backward
+        if fused_backward is False:
             return TIER_EAGER
-        if env.fused_backward is None and not dora_fused.above_backward_crossover(lora):
+        if fused_backward is None and not dora_fused.above_backward_crossover(lora):
             return TIER_EAGER
         return TIER_FUSED_BACKWARD
     return TIER_FUSED_FORWARD
@@ -351,6 +358,33 @@ def _compose_with_dispatch(
     # Eager: in place only when autograd records nothing, so no saved tensor is overwritten.
     inplace = not (torch.is_grad_enabled() and (lora.requires_grad or base.requires_grad or g.requires_grad))
     return dora_fused._compose_torch(lora, base, g, scale, inplace=inplace)
+
+
+def _output_with_dispatch(
+    result: torch.Tensor,
+    lora: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    magnitude: torch.Tensor,
+    weight_norm: torch.Tensor,
+    scale: float,
+    weight_dtype: torch.dtype,
+    layer: nn.Module,
+) -> Optional[torch.Tensor]:
+    """The adapted output ``result + ((g - 1)·(result - bias) + g·(s·lora))`` from the one-pass kernel, which also
+    forms ``g`` (fused tiers; ``lora`` must be fresh: its buffer receives the output), or None where that kernel does
+    not apply (the caller composes eagerly). Unlike the compose-only kernel the one-pass output has no crossover:
+    it replaces about ten eager launches (g, the composition, the residual add) with one, at every size."""
+    if torch.compiler.is_compiling() or not _kernels_allowed(lora):
+        return None
+    if not dora_fused.output_supported(result, lora, bias, magnitude, weight_norm):
+        return None
+    training = torch.is_grad_enabled() and (result.requires_grad or lora.requires_grad or magnitude.requires_grad)
+    if training and _env().fused_backward is False:
+        return None
+    tier = TIER_FUSED_BACKWARD if training else TIER_FUSED_FORWARD
+    tier_counts[tier] += 1
+    layer.last_tier = tier
+    return dora_fused.fused_dora_output(result, lora, magnitude, weight_norm, scale, _eps_for(weight_dtype), bias)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -500,6 +534,20 @@ class DoraLinearLayer(nn.Module):
             base_result = base_result - bias
         return _compose_with_dispatch(lora_result, base_result, g, scaling, self)
 
+    def adapted_output(self, x, result, *, lora_A, lora_B, scaling, base_layer, adapter_name="default"):
+        """``result + forward(x, base_result=result)`` (no dropout on ``x``), through the one-pass output kernel where
+        it applies: the output is then written once and ``g`` never materialises."""
+        weight = _forward_weight(base_layer)
+        weight_norm = self._forward_norm(weight, lora_A.weight, lora_B.weight, scaling, adapter_name)
+        lora_result = lora_B(lora_A(x))
+        bias = base_layer.bias
+        out = _output_with_dispatch(result, lora_result, bias, self.weight, weight_norm, scaling, weight.dtype, self)
+        if out is not None:
+            return out
+        g = self._scale(weight_norm, weight.dtype)
+        base_result = result if bias is None else result - bias
+        return result + _compose_with_dispatch(lora_result, base_result, g, scaling, self)
+
     def __repr__(self) -> str:
         return "lora.dora." + super().__repr__()
 
@@ -556,6 +604,13 @@ class _DoraConvNdLayer(DoraLinearLayer):
 
     def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
         return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name)
+
+    def adapted_output(self, x, result, *, lora_A, lora_B, scaling, base_layer, adapter_name="default"):
+        """``result + forward(x, base_result=result)``: the conv scale broadcasts over a middle dimension, which the
+        one-pass kernel does not take."""
+        delta = self(x, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer, base_result=result,
+                     adapter_name=adapter_name)  # fmt: skip
+        return result + delta
 
 
 class DoraConv1dLayer(_DoraConvNdLayer):
@@ -670,22 +725,19 @@ class DoraLinearVariant(_DoraVariantBase):
 
     @staticmethod
     def forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
-        dropout = module.lora_dropout[active_adapter]
-        if isinstance(dropout, nn.Identity) or not module.training:
-            base_result = result
-        else:
-            x = dropout(x)
-            base_result = None
-        delta = module.lora_magnitude_vector[active_adapter](
-            x,
+        dora_layer = module.lora_magnitude_vector[active_adapter]
+        factors = dict(
             lora_A=module.lora_A[active_adapter],
             lora_B=module.lora_B[active_adapter],
             scaling=module.scaling[active_adapter],
             base_layer=module.get_base_layer(),
-            base_result=base_result,
             adapter_name=active_adapter,
         )
-        return result + delta
+        dropout = module.lora_dropout[active_adapter]
+        if isinstance(dropout, nn.Identity) or not module.training:
+            return dora_layer.adapted_output(x, result, **factors)
+        # with dropout the base output of the dropped-out input is needed: W·dropout(x) is recomputed in slices
+        return result + dora_layer(dropout(x), base_result=None, **factors)
 
 
 def _accelerator_of(lora_A: torch.Tensor, lora_B: torch.Tensor) -> torch.device:

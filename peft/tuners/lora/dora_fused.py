@@ -41,9 +41,11 @@ import torch
 
 __all__ = [
     "FusedDoRAComposeFunction",
+    "FusedDoRAOutputFunction",
     "fused_dora_compose",
     "fused_dora_compose_autograd",
     "fused_dora_forward_and_inner",
+    "fused_dora_output",
     "fused_norm_assembly",
     "is_triton_available",
 ]
@@ -96,21 +98,57 @@ if _HAS_TRITON:
             tl.store(_at(inner_ptr, rows, cols, stride_inner), inner, mask=mask)
 
     @triton.jit
-    def _backward_kernel(
-        d_out_ptr, inner_ptr, g_ptr, d_lora_ptr, d_base_ptr, partial_ptr,
-        n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, stride_d_lora, stride_d_base, scale,
-        NEED_LORA: tl.constexpr, NEED_BASE: tl.constexpr, NEED_MAG: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _magnitude_scale(mag_ptr, norm_ptr, cols, col_mask, eps):
+        """g = m / max(w_norm, eps) for these columns in fp32, IEEE-rounded as PyTorch's division; NaN norms stay NaN."""
+        mag = tl.load(mag_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        norm = tl.load(norm_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
+        return tl.div_rn(mag, tl.where(norm < eps, eps, norm))
+
+    @triton.jit
+    def _output_kernel(
+        result_ptr, lora_ptr, bias_ptr, mag_ptr, norm_ptr, out_ptr, inner_ptr,
+        n_rows, n_cols, stride_result, stride_lora, stride_out, stride_inner, scale, eps,
+        HAS_BIAS: tl.constexpr, WRITE_INNER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        """d_lora = g·(s·d_out), d_base = (g - 1)·d_out, and stage one of d_g: this program's column sums of
-        inner·d_out over its ``rows_per_program`` rows, written to row ``pid // n_col_blocks`` of ``partial``.
+        """The adapted layer output in one pass: out = result + ((g - 1)·base + g·(s·lora)) with base = result - bias
+        and g = m / max(w_norm, eps), all in fp32 and rounded once at the store; with WRITE_INNER also
+        inner = s·lora + base. out may alias result or lora (each element is read before it is written)."""
+        pid = tl.program_id(0).to(tl.int64)
+        rows, cols, col_mask, mask = _tile(pid, n_rows, n_cols, BLOCK_M, BLOCK_N)
+        g = _magnitude_scale(mag_ptr, norm_ptr, cols, col_mask, eps)[None, :]
+        result = tl.load(_at(result_ptr, rows, cols, stride_result), mask=mask, other=0.0).to(tl.float32)
+        lora = tl.load(_at(lora_ptr, rows, cols, stride_lora), mask=mask, other=0.0).to(tl.float32)
+        base = result
+        if HAS_BIAS:
+            base = result - tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        scaled = scale * lora
+        out = result + ((g - 1.0) * base + g * scaled)
+        tl.store(_at(out_ptr, rows, cols, stride_out), out.to(out_ptr.dtype.element_ty), mask=mask)
+        if WRITE_INNER:
+            inner = (scaled + base).to(inner_ptr.dtype.element_ty)
+            tl.store(_at(inner_ptr, rows, cols, stride_inner), inner, mask=mask)
+
+    @triton.jit
+    def _backward_kernel(
+        d_out_ptr, inner_ptr, g_ptr, norm_ptr, d_lora_ptr, d_base_ptr, partial_ptr,
+        n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, stride_d_lora, stride_d_base, scale, eps,
+        NEED_LORA: tl.constexpr, NEED_BASE: tl.constexpr, NEED_MAG: tl.constexpr, G_FROM_MAG: tl.constexpr,
+        BASE_GAIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """d_lora = g·(s·d_out), d_base = (g - 1 + BASE_GAIN)·d_out, and stage one of d_g: this program's column sums
+        of inner·d_out over its ``rows_per_program`` rows, written to row ``pid // n_col_blocks`` of ``partial``.
+        With G_FROM_MAG, ``g_ptr`` holds m and g = m / max(w_norm, eps) is formed here. BASE_GAIN = 1 gives the
+        gradient of ``result`` for the one-pass output (result enters it once directly and once through base).
         A fixed tile order and a fixed in-register tree make the partial sums bitwise repeatable (no atomics)."""
         pid = tl.program_id(0).to(tl.int64)
         n_col_blocks = tl.cdiv(n_cols, BLOCK_N)
         band = pid // n_col_blocks
         cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
-        g = tl.load(g_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if G_FROM_MAG:
+            g = _magnitude_scale(g_ptr, norm_ptr, cols, col_mask, eps)[None, :]
+        else:
+            g = tl.load(g_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         row_start = band * rows_per_program
         for step in range(0, rows_per_program, BLOCK_M):
@@ -121,7 +159,10 @@ if _HAS_TRITON:
                 d_lora = g * (scale * d_out)
                 tl.store(_at(d_lora_ptr, rows, cols, stride_d_lora), d_lora.to(d_lora_ptr.dtype.element_ty), mask=mask)
             if NEED_BASE:
-                d_base = (g - 1.0) * d_out
+                if BASE_GAIN:
+                    d_base = g * d_out
+                else:
+                    d_base = (g - 1.0) * d_out
                 tl.store(_at(d_base_ptr, rows, cols, stride_d_base), d_base.to(d_base_ptr.dtype.element_ty), mask=mask)
             if NEED_MAG:
                 inner = tl.load(_at(inner_ptr, rows, cols, stride_inner), mask=mask, other=0.0).to(tl.float32)
@@ -130,8 +171,12 @@ if _HAS_TRITON:
             tl.store(partial_ptr + band * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
 
     @triton.jit
-    def _column_sum_kernel(partial_ptr, out_ptr, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Stage two of d_g: out[c] = sum_p partial[p, c], in a fixed order, cast to g's dtype."""
+    def _column_sum_kernel(
+        partial_ptr, out_ptr, norm_ptr, n_parts, n_cols, eps,
+        DIV_NORM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """Stage two of d_g: out[c] = sum_p partial[p, c], in a fixed order, cast to the output's dtype. With
+        DIV_NORM the sum is d_g and out is d_m = d_g / max(w_norm, eps) (g = m / max(w_norm, eps), w_norm constant)."""
         pid = tl.program_id(0).to(tl.int64)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
@@ -140,7 +185,11 @@ if _HAS_TRITON:
             parts = start + tl.arange(0, BLOCK_P).to(tl.int64)
             mask = (parts[:, None] < n_parts) & col_mask[None, :]
             acc += tl.load(_at(partial_ptr, parts, cols, n_cols), mask=mask, other=0.0)
-        tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)
+        total = tl.sum(acc, axis=0)
+        if DIV_NORM:
+            norm = tl.load(norm_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
+            total = tl.div_rn(total, tl.where(norm < eps, eps, norm))
+        tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
     @triton.jit
     def _norm_kernel(w_sq_ptr, cross_ptr, ba_sq_ptr, out_ptr, n, two_s, s2, BLOCK: tl.constexpr):
@@ -204,6 +253,33 @@ def _layout(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> tuple[in
     return stride_lora, stride_base
 
 
+def _output_layout(result, lora, bias, magnitude, weight_norm) -> tuple[int, int] | None:
+    """(row stride of result, row stride of lora) when the one-pass output kernel handles these tensors, else None.
+
+    ``lora`` is written in place, so it must own its storage (a fresh matmul output, not a view); ``magnitude`` is a
+    contiguous [d_out] vector, ``weight_norm`` fp32 of the same shape, ``bias`` absent or a frozen [d_out] vector.
+    """
+    layout = _layout(lora, result, magnitude)
+    if layout is None or magnitude.dim() != 1 or lora._base is not None:
+        return None
+    if weight_norm.dtype != torch.float32 or weight_norm.shape != magnitude.shape or not weight_norm.is_contiguous():
+        return None
+    if weight_norm.device != lora.device:
+        return None
+    if bias is not None and (
+        bias.shape != magnitude.shape or bias.dtype not in _KERNEL_DTYPES or not bias.is_contiguous()
+        or bias.device != lora.device or bias.requires_grad
+    ):  # fmt: skip
+        return None
+    return layout[1], layout[0]
+
+
+def output_supported(result, lora, bias, magnitude, weight_norm) -> bool:
+    """True when :func:`fused_dora_output` runs the kernels on these tensors (CUDA or the interpreter, supported
+    dtypes and layout); otherwise callers take the eager path."""
+    return kernels_available(lora) and _output_layout(result, lora, bias, magnitude, weight_norm) is not None
+
+
 def kernels_support(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> bool:
     """True when the kernels handle this layout; the rest goes to the eager path.
 
@@ -263,7 +339,12 @@ def _compose_triton(lora, base, g, scale, out, inner=None, strides=None):
     return out
 
 
-def _backward_triton(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad, strides=None):
+def _backward_triton(
+    d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad, strides=None, norm=None, eps=0.0
+):
+    """Gradients of the composition. With ``norm`` given, ``g`` is the magnitude m (g = m / max(norm, eps) is formed
+    in the kernel), the base gradient is that of ``result`` in the one-pass output (g·d_out) and the magnitude
+    gradient is d_m rather than d_g."""
     stride_d_out, stride_inner = strides or (_row_stride(d_out), _row_stride(inner if needs_mag_grad else d_out))
     n_cols = d_out.shape[-1]
     n_rows = d_out.numel() // n_cols
@@ -275,17 +356,37 @@ def _backward_triton(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, n
     rows_per_program = _backward_rows_per_program(_next_pow2(n_rows), n_col_blocks, block_m)
     bands = triton.cdiv(n_rows, rows_per_program)
     partial = torch.empty((bands, n_cols), dtype=torch.float32, device=d_out.device) if needs_mag_grad else d_out
+    from_mag = norm is not None
     _backward_kernel[(bands * n_col_blocks,)](
-        d_out, inner if needs_mag_grad else d_out, g, d_lora if needs_lora_grad else d_out,
+        d_out, inner if needs_mag_grad else d_out, g, norm if from_mag else g, d_lora if needs_lora_grad else d_out,
         d_base if needs_base_grad else d_out, partial,
-        n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, n_cols, n_cols, float(scale),
-        NEED_LORA=needs_lora_grad, NEED_BASE=needs_base_grad, NEED_MAG=needs_mag_grad,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
+        n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, n_cols, n_cols, float(scale), float(eps),
+        NEED_LORA=needs_lora_grad, NEED_BASE=needs_base_grad, NEED_MAG=needs_mag_grad, G_FROM_MAG=from_mag,
+        BASE_GAIN=from_mag, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     if needs_mag_grad:
         # 8 × 256 fp32 per step: the buffer has at most a few thousand rows, so this pass costs microseconds.
-        _column_sum_kernel[(triton.cdiv(n_cols, 256),)](partial, d_mag, bands, n_cols, BLOCK_P=8, BLOCK_N=256)
+        _column_sum_kernel[(triton.cdiv(n_cols, 256),)](
+            partial, d_mag, norm if from_mag else partial, bands, n_cols, float(eps),
+            DIV_NORM=from_mag, BLOCK_P=8, BLOCK_N=256,
+        )  # fmt: skip
     return d_lora, d_base, d_mag
+
+
+def _output_triton(result, lora, bias, magnitude, norm, scale, eps, out, inner=None, strides=None):
+    stride_result, stride_lora = strides
+    n_cols = lora.shape[-1]
+    n_rows = lora.numel() // n_cols
+    block_m, block_n, warps = _policy(n_rows, n_cols)
+    grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
+    stride_out = stride_lora if out is lora else (stride_result if out is result else n_cols)
+    _output_kernel[grid](
+        result, lora, magnitude if bias is None else bias, magnitude, norm, out, out if inner is None else inner,
+        n_rows, n_cols, stride_result, stride_lora, stride_out, n_cols, float(scale), float(eps),
+        HAS_BIAS=bias is not None, WRITE_INNER=inner is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
 
 
 def _norm_assembly_triton(w_norm_sq, cross_term, ba_norm_sq, scale):
@@ -351,6 +452,37 @@ def _backward_torch(
     return d_lora, d_base, d_mag
 
 
+def _output_torch(
+    result: torch.Tensor,
+    lora: torch.Tensor,
+    bias: torch.Tensor | None,
+    magnitude: torch.Tensor,
+    weight_norm: torch.Tensor,
+    scale: float,
+    eps: float,
+) -> torch.Tensor:
+    """The eager one-pass output: ``result + ((g - 1)·base + g·(s·lora))`` with ``base = result - bias``; bitwise the
+    eager tier's ``result + compose(lora, base, g)``."""
+    g = magnitude / weight_norm.clamp_min(eps)
+    base = result if bias is None else result - bias
+    return result + _compose_torch(lora, base, g, scale)
+
+
+def _output_backward_torch(d_out, inner, magnitude, weight_norm, scale, eps, needs_result, needs_lora, needs_mag):
+    """Gradients of the one-pass output for layouts the kernel leaves alone, in the kernel's precision (fp32 products
+    rounded once): d_result = g·d_out, d_lora = g·(s·d_out), d_m = sum(inner·d_out) / max(w_norm, eps)."""
+    acc = torch.promote_types(d_out.dtype, torch.float32)
+    denom = weight_norm.to(acc).clamp_min(eps)
+    g = magnitude.to(acc) / denom
+    d = d_out.to(acc)
+    d_result = (g * d).to(d_out.dtype) if needs_result else None
+    d_lora = (g * (scale * d)).to(d_out.dtype) if needs_lora else None
+    d_mag = None
+    if needs_mag:
+        d_mag = ((inner.to(acc) * d).sum_to_size(magnitude.shape) / denom).to(magnitude.dtype)
+    return d_result, d_lora, d_mag
+
+
 def _norm_assembly_torch(
     w_norm_sq: torch.Tensor, cross_term: torch.Tensor, ba_norm_sq: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -391,6 +523,46 @@ class FusedDoRAComposeFunction(torch.autograd.Function):
         inner, g = ctx.saved_tensors
         d_lora, d_base, d_mag = _fused_backward(d_out, inner, g, ctx.scale, *ctx.needs_input_grad[:3])
         return d_lora, d_base, d_mag, None
+
+
+class FusedDoRAOutputFunction(torch.autograd.Function):
+    """The whole DoRA tail of a Linear in one autograd node: ``y = result + ((g - 1)·base + g·(s·lora))`` with
+    ``base = result - bias`` and ``g = m / max(w_norm, eps)`` formed in the kernel (the norm is a constant).
+
+    ``y`` is written into ``lora``'s buffer (marked dirty), so the output costs no allocation; ``inner = s·lora +
+    base`` is saved only when ``m`` needs a gradient. The backward is one pass for ``d_result = g·d_y``,
+    ``d_lora = g·s·d_y`` and the partial sums of ``d_m``, plus a small deterministic column sum.
+    """
+
+    @staticmethod
+    def forward(ctx, result, lora, magnitude, weight_norm, bias, scale, eps):
+        strides = _output_layout(result, lora, bias, magnitude, weight_norm)
+        if strides is None:
+            raise ValueError("FusedDoRAOutputFunction: unsupported layout (check output_supported first)")
+        inner = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device) if ctx.needs_input_grad[2] else None
+        if lora.numel() > 0:
+            _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, inner, strides)
+        ctx.mark_dirty(lora)
+        ctx.save_for_backward(inner, magnitude, weight_norm)
+        ctx.scale, ctx.eps = scale, eps
+        return lora
+
+    @staticmethod
+    def backward(ctx, d_y):
+        inner, magnitude, weight_norm = ctx.saved_tensors
+        needs_result, needs_lora, needs_mag = ctx.needs_input_grad[:3]
+        if not (needs_result or needs_lora or needs_mag):
+            return None, None, None, None, None, None, None
+        layout = _layout(d_y, inner if needs_mag else d_y, magnitude) if kernels_available(d_y) else None
+        if layout is not None and d_y.numel() > 0:
+            d_lora, d_result, d_mag = _backward_triton(
+                d_y, inner, magnitude, ctx.scale, needs_lora, needs_result, needs_mag, layout, weight_norm, ctx.eps
+            )
+        else:
+            d_result, d_lora, d_mag = _output_backward_torch(
+                d_y, inner, magnitude, weight_norm, ctx.scale, ctx.eps, needs_result, needs_lora, needs_mag
+            )
+        return d_result, d_lora, d_mag, None, None, None, None
 
 
 def _fused_backward(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad):
@@ -467,6 +639,30 @@ def fused_dora_compose(
     if lora.numel() == 0:
         return out
     return _compose_triton(lora, base, mag_norm_scale, scale, out, strides=layout)
+
+
+def fused_dora_output(
+    result: torch.Tensor,
+    lora: torch.Tensor,
+    magnitude: torch.Tensor,
+    weight_norm: torch.Tensor,
+    scale: float,
+    eps: float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The adapted output ``result + ((g - 1)·(result - bias) + g·(s·lora))``, ``g = m / max(weight_norm, eps)``,
+    written once into ``lora``'s buffer (which it consumes). Records one autograd node when grad mode is on and an
+    input needs a gradient; otherwise runs the bare kernel. Falls back to PyTorch where :func:`output_supported`
+    is False."""
+    if not output_supported(result, lora, bias, magnitude, weight_norm) or torch.compiler.is_compiling():
+        return _output_torch(result, lora, bias, magnitude, weight_norm, scale, eps)
+    scale, eps = float(scale), float(eps)
+    if torch.is_grad_enabled() and (result.requires_grad or lora.requires_grad or magnitude.requires_grad):
+        return FusedDoRAOutputFunction.apply(result, lora, magnitude, weight_norm, bias, scale, eps)
+    if lora.numel() > 0:
+        _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, None,
+                       _output_layout(result, lora, bias, magnitude, weight_norm))  # fmt: skip
+    return lora
 
 
 def fused_dora_forward_and_inner(

@@ -108,3 +108,147 @@ def test_autograd_function_matches_twin_gradients():
     F._compose_torch(*ref_leaves, SCALE).square().sum().backward()
     for a, b in zip(leaves, ref_leaves):
         assert_close(a.grad, b.grad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The one-pass output kernel: y = result + ((g - 1)·base + g·(s·lora)), base = result - bias, g = m / max(n, eps).
+# ---------------------------------------------------------------------------------------------------------------
+
+EPS = 1e-6
+
+
+def _output_inputs(tokens, d_out, dtype, seed=0, bias=False):
+    gen = torch.Generator().manual_seed(seed * 1000 + tokens * 131 + d_out)
+    result = torch.randn(tokens, d_out, generator=gen).to(dtype)
+    lora = torch.randn(tokens, d_out, generator=gen).to(dtype)
+    norm = 0.5 + torch.rand(d_out, generator=gen)
+    magnitude = norm * (1.0 + 0.01 * torch.randn(d_out, generator=gen))  # g close to 1, as in training
+    b = torch.randn(d_out, generator=gen).to(dtype) if bias else None
+    return result, lora, b, magnitude, norm
+
+
+def _output_fp64(result, lora, bias, magnitude, norm, d_y):
+    """The output and the gradients of result, lora and m in fp64: the reference both paths are judged against."""
+    r, lo, d = result.double(), lora.double(), d_y.double()
+    g = magnitude.double() / norm.double().clamp_min(EPS)
+    base = r if bias is None else r - bias.double()
+    y = r + ((g - 1) * base + g * (SCALE * lo))
+    d_m = ((SCALE * lo + base) * d).sum(0) / norm.double().clamp_min(EPS)
+    return y, g * d, g * SCALE * d, d_m
+
+
+@pytest.mark.parametrize("bias", (False, True))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d_out", (1, 123, 130))
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_output_kernel_forward_and_gradients(tokens, d_out, dtype, bias):
+    result, lora, b, magnitude, norm = _output_inputs(tokens, d_out, dtype, seed=4, bias=bias)
+    d_y = torch.randn(tokens, d_out).to(dtype)
+    want = _output_fp64(result, lora, b, magnitude, norm, d_y)
+    r, lo, m = result.clone().requires_grad_(), lora.clone().requires_grad_(), magnitude.clone().requires_grad_()
+    r2, lo2 = r * 1, lo * 1  # non-leaf inputs, as a layer's outputs are
+    y = F.fused_dora_output(r2, lo2, m, norm, SCALE, EPS, bias=b)
+    assert y.data_ptr() == lo2.data_ptr() and y.dtype == dtype  # written once, into the LoRA output's buffer
+    y.backward(d_y)
+    for got, ref, what in ((y, want[0], "y"), (r.grad, want[1], "d_result"), (lo.grad, want[2], "d_lora")):
+        assert got.shape == ref.shape, what
+        assert_close(got, ref.to(dtype), dtype=dtype)
+    assert m.grad.dtype == torch.float32
+    assert_close(m.grad, want[3].float(), dtype=dtype, scale=max(1.0, tokens**0.5))
+    # the eager twin agrees within the dtype's tolerance
+    eager = F._output_torch(result, lora, b, magnitude, norm, SCALE, EPS)
+    assert_close(y.detach(), eager, dtype=dtype)
+
+
+def test_output_kernel_without_grad_and_frozen_magnitude():
+    result, lora, _, magnitude, norm = _output_inputs(9, 130, torch.bfloat16, seed=5)
+    ref = F._output_torch(result, lora, None, magnitude, norm, SCALE, EPS)
+    with torch.no_grad():
+        out = F.fused_dora_output(result, lora.clone(), magnitude.requires_grad_(), norm, SCALE, EPS)
+    assert_close(out, ref, dtype=torch.bfloat16)
+    magnitude.requires_grad_(False)
+    r = result.clone().requires_grad_()
+    y = F.fused_dora_output(r * 1, lora.clone(), magnitude, norm, SCALE, EPS)
+    y.sum().backward()
+    assert_close(r.grad, (magnitude / norm).expand(9, 130).to(torch.bfloat16), dtype=torch.bfloat16)
+
+
+def test_output_layout_rules():
+    result, lora, b, magnitude, norm = _output_inputs(6, 8, torch.float32, bias=True)
+    assert F.output_supported(result, lora, b, magnitude, norm)
+    assert not F.output_supported(result, lora[:, :8], b, magnitude, norm)  # a view: the output goes into lora
+    assert not F.output_supported(result, lora, b, magnitude, norm.double())  # the norm is fp32
+    assert not F.output_supported(result, lora, b.requires_grad_(), magnitude, norm)  # a trained bias: eager
+    assert not F.output_supported(result.half(), lora, None, magnitude, norm)  # mixed activation dtypes
+    assert not F.output_supported(result, lora, None, magnitude.view(1, 8), norm)
+    assert F.output_supported(torch.randn(6, 20)[:, 4:12], lora, None, magnitude, norm)  # a column slice of result
+
+
+def test_output_gradient_falls_back_for_broadcast_grad():
+    """A stride-0 incoming gradient (e.g. from ``y.sum()``) takes the PyTorch twin of the backward."""
+    result, lora, _, magnitude, norm = _output_inputs(5, 123, torch.float32, seed=6)
+    r, m = result.clone().requires_grad_(), magnitude.clone().requires_grad_()
+    F.fused_dora_output(r * 1, lora.clone(), m, norm, SCALE, EPS).sum().backward()
+    want = _output_fp64(result, lora, None, magnitude, norm, torch.ones(5, 123))
+    assert_close(r.grad, want[1].float())
+    assert_close(m.grad, want[3].float())
+
+
+def test_output_nan_and_inf_propagate():
+    result, lora, _, magnitude, norm = _output_inputs(4, 130, torch.float32, seed=7)
+    result[0, 3], lora[1, 5], norm[7] = float("nan"), float("inf"), float("nan")
+    want = F._output_torch(result, lora, None, magnitude, norm, SCALE, EPS)
+    got = F.fused_dora_output(result, lora.clone(), magnitude, norm, SCALE, EPS)
+    assert_close(got, want, equal_nan=True)
+
+
+def test_output_d_mag_is_bitwise_repeatable():
+    result, lora, _, magnitude, norm = _output_inputs(300, 130, torch.bfloat16, seed=8)
+    d_y = torch.randn(300, 130).to(torch.bfloat16)
+    grads = []
+    for _ in range(3):
+        m = magnitude.clone().requires_grad_()
+        F.fused_dora_output(result.clone().requires_grad_() * 1, lora.clone(), m, norm, SCALE, EPS).backward(d_y)
+        grads.append(m.grad)
+    for gr in grads[1:]:
+        assert torch.equal(gr.view(torch.int32), grads[0].view(torch.int32))
+
+
+def test_model_takes_the_one_pass_output_in_both_tiers():
+    """A DoRA Linear model: training forwards record one fused autograd node per layer, inference runs the bare
+    kernel, and both agree with the eager tier (PEFT_DORA_FUSED=0) within fp32 tolerance."""
+    import os
+
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import dora
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
+    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
+    peft_model = get_peft_model(model, config)
+    x = torch.randn(3, 5, 24)
+
+    def step():
+        peft_model.zero_grad(set_to_none=True)
+        out = peft_model(x)
+        out.square().sum().backward()
+        grads = {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+        with torch.no_grad():
+            return out.detach(), grads, peft_model(x)
+
+    dora.tier_counts.clear()
+    out, grads, infer = step()
+    assert dora.tier_counts == {dora.TIER_FUSED_BACKWARD: 2, dora.TIER_FUSED_FORWARD: 2}
+    os.environ["PEFT_DORA_FUSED"] = "0"
+    dora._invalidate_fused_cache()
+    try:
+        out_e, grads_e, infer_e = step()
+    finally:
+        del os.environ["PEFT_DORA_FUSED"]
+        dora._invalidate_fused_cache()
+    assert_close(out, out_e)
+    assert_close(infer, infer_e)
+    for name in grads:
+        assert_close(grads[name], grads_e[name], scale=10)

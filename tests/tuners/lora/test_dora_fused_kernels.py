@@ -27,6 +27,19 @@ def test_kernels_against_twins_under_interpreter():
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
 
 
+def test_model_parity_with_upstream_under_interpreter():
+    """test_dora_parity's comparisons with upstream PEFT again, with the fused tiers (the one-pass output kernel)
+    interpreted: on CPU without the interpreter they run the eager tier."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEFT_DORA_")}
+    env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, "-m", "pytest", str(HERE / "test_dora_parity.py"), "-q", "-p", "no:cacheprovider",
+           "-o", "addopts=", "--rootdir", str(HERE.parents[1]),
+           "-k", "upstream or zero_tokens or activation_dtype"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
 @pytest.mark.parametrize(
     "lora_shape, g_shape, ok",
     [
