@@ -13,7 +13,12 @@ from pathlib import Path
 from . import upstream
 
 
-OVERLAY_FILES = ("tuners/lora/dora.py", "tuners/lora/dora_cache.py", "tuners/lora/dora_fused.py")
+OVERLAY_FILES = (
+    "tuners/lora/dora.py",
+    "tuners/lora/dora_cache.py",
+    "tuners/lora/dora_fused.py",
+    "tuners/lora/dora_norm_triton.py",
+)
 GLUE_FILE = "tuners/lora/variants.py"
 # Upstream resolves every DoRA variant through `variants.Dora*Variant` at call time (layer.py, bnb.py, gptq.py,
 # hqq.py), so rebinding those names at the end of variants.py routes all of DoRA to our dora.py.

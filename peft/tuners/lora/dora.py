@@ -37,7 +37,7 @@ from torch import nn
 from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 from peft.utils.other import transpose
 
-from . import dora_fused
+from . import dora_fused, dora_norm_triton
 from .dora_cache import Memo, memoised, source, watch_merges
 from .dora_cache import invalidate_norm_caches as invalidate_norm_caches  # public here, as documented
 from .dora_cache import norm_counts as norm_counts  # public here, as documented
@@ -232,6 +232,8 @@ def factored_row_norm(
             f"factored norm: shapes do not chain: W {tuple(weight.shape)}, A {tuple(lora_A.shape)}, "
             f"B {tuple(lora_B.shape)} (expected A [r, {d_in}] and B [{d_out}, r])"
         )
+    if _norm_kernel_applies(weight, lora_A, lora_B):
+        return dora_norm_triton.triton_row_norm(weight, lora_A, lora_B, scale)
     budget = get_dora_norm_threshold_bytes() if chunk_bytes is None else chunk_bytes
     cs = _chunk_columns(d_out, r, d_in, budget)
     scale = float(scale)
@@ -256,6 +258,13 @@ def factored_row_norm(
         # Launches, not flops, decide the norm's cost on real models (host-bound), so fewer ops is the point.
         t = (b_acc * torch.addmm(u, b_acc, gram, beta=2.0 * scale, alpha=scale * scale)).sum(dim=1)
         return (w_sq + t).clamp_min_(0).sqrt_()  # clamp_min keeps NaN
+
+
+def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
+    """The one-pass Triton norm (``dora_norm_triton``) runs unless PEFT_DORA_FUSED=0 or it cannot take the tensors
+    (CPU, fp64, torch.compile): it reads each tile of W once on the tensor cores and launches two kernels, where the
+    PyTorch form below launches ten and needs ``||W||²_row`` as a separate pass."""
+    return _env().fused is not False and dora_norm_triton.row_norm_supported(weight, lora_A, lora_B)
 
 
 def _accumulate(total: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
@@ -469,11 +478,10 @@ class DoraLinearLayer(nn.Module):
 
     def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
         w_sq = None
-        if _reuse_mode() == "any":
+        w = transpose(weight, self.fan_in_fan_out)
+        if _reuse_mode() == "any" and not _norm_kernel_applies(w, lora_A, lora_B):
             # a frozen W keeps its ||W||²_row across optimizer steps: only the cross and Gram terms are new
-            w_sq = memoised(
-                self._w_sq_memo, "any", "w_sq", (weight,), lambda: row_sq_norm(transpose(weight, self.fan_in_fan_out))
-            )
+            w_sq = memoised(self._w_sq_memo, "any", "w_sq", (weight,), lambda: row_sq_norm(w))
         return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
 
     def _scale(self, weight_norm: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:

@@ -99,7 +99,7 @@ if _HAS_TRITON:
 
     @triton.jit
     def _magnitude_scale(mag_ptr, norm_ptr, cols, col_mask, eps):
-        """g = m / max(w_norm, eps) for these columns in fp32, IEEE-rounded as PyTorch's division; NaN norms stay NaN."""
+        """g = m / max(w_norm, eps) for these columns in fp32, rounded as PyTorch's division; a NaN norm stays NaN."""
         mag = tl.load(mag_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         norm = tl.load(norm_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
         return tl.div_rn(mag, tl.where(norm < eps, eps, norm))
@@ -394,8 +394,9 @@ def _norm_assembly_triton(w_norm_sq, cross_term, ba_norm_sq, scale):
     n = w_norm_sq.numel()
     # The norm is d_out elements: launch latency, not block size, decides its time, so one fixed block serves all.
     two_s, s2 = 2.0 * float(scale), float(scale) * float(scale)
-    _norm_kernel[(triton.cdiv(n, 256),)](w_norm_sq, cross_term, ba_norm_sq, out, n, two_s, s2, BLOCK=256,
-                                         enable_fp_fusion=False)
+    _norm_kernel[(triton.cdiv(n, 256),)](
+        w_norm_sq, cross_term, ba_norm_sq, out, n, two_s, s2, BLOCK=256, enable_fp_fusion=False
+    )
     return out
 
 

@@ -1,0 +1,289 @@
+# Copyright 2026-present the peft-dora-fast authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The DoRA weight row norm in one pass over ``W``, with ``B·A`` formed tile by tile on tensor cores:
+
+    norm[i] = sqrt(max(sum_k (W[i, k] + s * (B @ A)[i, k])^2, 0))      fp32 [d_out]
+
+Each program of the first kernel owns ``BLOCK_M`` rows and a contiguous range of columns (a "split"). For every
+[BLOCK_M, BLOCK_K] tile it forms ``P = B[rows, :] @ A[:, cols]`` in registers, adds ``W`` and accumulates squares,
+then stores its rows' partial sums to ``partial[split, rows]``. The second kernel adds the splits in a fixed order and
+takes the root. No atomics, so the result is bitwise repeatable; ``B·A`` never exists in memory.
+
+Dot precision: two adapters of the same half dtype multiply natively (products are exact, fp32 accumulation).
+Otherwise both load as fp32 and multiply in TF32 when ``W`` is bf16/fp16 (the autocast case: the TF32 error is far
+below ``W``'s own rounding) and in 3xTF32 when ``W`` is fp32. Offsets are int64 throughout: ``W`` may exceed 2^31
+elements, and any strides work (a transposed view is read in place).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+from typing import NamedTuple
+
+import torch
+
+
+__all__ = ["row_norm_supported", "triton_row_norm"]
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Triton decides at decoration time whether a kernel is interpreted, so the variable is read once, here, too.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels.
+# ---------------------------------------------------------------------------------------------------------------
+
+if _HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _root(total):
+        total = tl.where(total < 0.0, 0.0, total)  # NaN < 0 is false: NaN survives, as with torch.clamp_min
+        return tl.sqrt_rn(total)  # correctly rounded, as torch.sqrt (tl.sqrt is approximate)
+
+    @triton.jit
+    def _b_tile(b_ptr, rows, ks, n_rows, rank, stride_bm, stride_br):
+        mask = (rows[:, None] < n_rows) & (ks[None, :] < rank)
+        return tl.load(b_ptr + rows[:, None] * stride_bm + ks[None, :] * stride_br, mask=mask, other=0.0)
+
+    @triton.jit
+    def _ba_dot(b, a_ptr, ks, cols, col_mask, rank, stride_ar, stride_ak, p,
+                NATIVE: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+        """p += b @ A[ks, cols]: native for a same-dtype half pair, else fp32 operands at ``PRECISION``."""
+        mask = (ks[:, None] < rank) & col_mask[None, :]
+        a = tl.load(a_ptr + ks[:, None] * stride_ar + cols[None, :] * stride_ak, mask=mask, other=0.0)
+        if NATIVE:
+            return tl.dot(b, a, p)
+        return tl.dot(b.to(tl.float32), a.to(tl.float32), p, input_precision=PRECISION)
+
+    @triton.jit
+    def _row_norm_partial_kernel(
+        w_ptr, a_ptr, b_ptr, partial_ptr,
+        n_rows, n_cols, rank, n_row_blocks, cols_per_split, scale,
+        stride_wm, stride_wk, stride_ar, stride_ak, stride_bm, stride_br,
+        NATIVE: tl.constexpr, PRECISION: tl.constexpr, B_RESIDENT: tl.constexpr, FINISH: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):  # fmt: skip
+        """partial[split, rows] = sum over the split's columns of (W + s·B·A)²; with FINISH (one split) the root.
+
+        Row blocks vary fastest, so programs in flight together share the split's A tiles in L2. With B_RESIDENT
+        (rank <= BLOCK_R) the program's B rows are loaded once instead of once per column tile.
+        """
+        pid = tl.program_id(0).to(tl.int64)
+        split = pid // n_row_blocks
+        rows = (pid % n_row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+        col_start = split * cols_per_split
+        col_end = tl.minimum(col_start + cols_per_split, n_cols)
+        r_offs = tl.arange(0, BLOCK_R).to(tl.int64)
+        if B_RESIDENT:
+            b_res = _b_tile(b_ptr, rows, r_offs, n_rows, rank, stride_bm, stride_br)
+        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for c in range(col_start, col_end, BLOCK_K):
+            cols = c + tl.arange(0, BLOCK_K)
+            col_mask = cols < n_cols
+            p = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            if B_RESIDENT:
+                p = _ba_dot(b_res, a_ptr, r_offs, cols, col_mask, rank, stride_ar, stride_ak, p, NATIVE, PRECISION)
+            else:
+                for r0 in range(0, rank, BLOCK_R):
+                    ks = r0 + r_offs
+                    b = _b_tile(b_ptr, rows, ks, n_rows, rank, stride_bm, stride_br)
+                    p = _ba_dot(b, a_ptr, ks, cols, col_mask, rank, stride_ar, stride_ak, p, NATIVE, PRECISION)
+            w_mask = (rows[:, None] < n_rows) & col_mask[None, :]
+            w = tl.load(w_ptr + rows[:, None] * stride_wm + cols[None, :] * stride_wk, mask=w_mask, other=0.0)
+            v = w.to(tl.float32) + scale * p
+            # Padded columns hold 0 unless B is non-finite (Inf·0): keep them out of the row sums.
+            v = tl.where(col_mask[None, :], v, 0.0)
+            # A [BLOCK_M] accumulator rather than a [BLOCK_M, BLOCK_K] one: ~30 fewer registers a thread on sm_90.
+            acc += tl.sum(v * v, axis=1)
+        if FINISH:
+            acc = _root(acc)
+        tl.store(partial_ptr + split * n_rows + rows, acc, mask=rows < n_rows)
+
+    @triton.jit
+    def _row_norm_finish_kernel(partial_ptr, out_ptr, n_rows, n_splits, BLOCK: tl.constexpr):
+        """out[i] = sqrt(max(sum over splits of partial[:, i], 0)), the splits added one by one in order."""
+        pid = tl.program_id(0).to(tl.int64)
+        rows = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = rows < n_rows
+        ptrs = partial_ptr + rows
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for _ in range(0, n_splits):
+            total += tl.load(ptrs, mask=mask, other=0.0)
+            ptrs += n_rows  # a pointer step, so split * n_rows is never formed in int32
+        tl.store(out_ptr + rows, _root(total), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Support checks, launch policy and launcher.
+# ---------------------------------------------------------------------------------------------------------------
+
+# H200 SM count, used when there is no CUDA device to ask (the interpreter).
+_DEFAULT_SM_COUNT = 132
+# Starting points for the H200, still to be timed there. 64 x 64 tiles run as one m64n64 wgmma per 8-deep (TF32) or
+# 16-deep (half) rank step; 3 stages pipeline the operand loads. Warps from ptxas' register counts for sm_90
+# (contiguous operands): with B resident, 4 warps need 118-134 registers a thread; looping over the rank, 4 warps
+# need 253-255 and spill with 3xTF32, while 8 warps need 120-222 and do not spill.
+_BLOCK_M, _BLOCK_K, _NUM_STAGES = 64, 64, 3
+_WARPS_RESIDENT, _WARPS_RANK_LOOP = 4, 8
+# At least this many column tiles per split, so the per-split partial store and the finish pass stay small next to
+# the tile work; splits are only added until there are about two programs per SM.
+_MIN_TILES_PER_SPLIT = 4
+_PROGRAMS_PER_SM = 2
+_FINISH_BLOCK = 256
+
+
+class _Config(NamedTuple):
+    block_m: int
+    block_k: int
+    block_r: int
+    cols_per_split: int
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _unsupported(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> str | None:
+    """Why the kernels cannot take these tensors (None when they can); shape reasons start with 'shapes'."""
+    if not _HAS_TRITON:
+        return "Triton is not installed"
+    if torch.compiler.is_compiling():
+        return "called under torch.compile"
+    if weight.dim() != 2 or lora_A.dim() != 2 or lora_B.dim() != 2:
+        return f"shapes: W, A and B must be 2-D, got {weight.dim()}-D, {lora_A.dim()}-D and {lora_B.dim()}-D"
+    (d_out, d_in), r = weight.shape, lora_A.shape[0]
+    if lora_A.shape != (r, d_in) or lora_B.shape != (d_out, r):
+        return (
+            f"shapes do not chain: W {tuple(weight.shape)}, A {tuple(lora_A.shape)}, B {tuple(lora_B.shape)} "
+            f"(expected A [r, {d_in}] and B [{d_out}, r])"
+        )
+    if r < 1 or d_out < 1:
+        return f"shapes: rank and d_out must be >= 1, got r={r}, d_out={d_out}"
+    if weight.device != lora_A.device or weight.device != lora_B.device:
+        return f"tensors on different devices: {weight.device}, {lora_A.device}, {lora_B.device}"
+    if not (weight.is_cuda or (_INTERPRET and weight.device.type != "meta")):
+        return f"device {weight.device} (the kernels need CUDA, or TRITON_INTERPRET=1)"
+    if any(t.dtype not in _KERNEL_DTYPES for t in (weight, lora_A, lora_B)):
+        return f"dtypes {weight.dtype}, {lora_A.dtype}, {lora_B.dtype} (fp32, bf16 and fp16 only)"
+    return None
+
+
+def row_norm_supported(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
+    """True when :func:`triton_row_norm` can run on these tensors; otherwise callers use the PyTorch norm."""
+    return _unsupported(weight, lora_A, lora_B) is None
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int | None) -> int:
+    if device_index is None:
+        return _DEFAULT_SM_COUNT
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=64)
+def _launch_config(n_rows: int, n_col_tiles: int, rank_bucket: int, sm_count: int) -> _Config:
+    """Blocks and the column split for a [n_rows, n_col_tiles * BLOCK_K] weight.
+
+    BLOCK_R is the rank rounded up to a power of two in [16, 64] (tl.dot needs every dim >= 16; masking pads with
+    zeros), so all ranks share three variants. Splits are added until row blocks x splits reach about two programs
+    per SM, keeping at least ``_MIN_TILES_PER_SPLIT`` column tiles in each. The split width is a runtime argument,
+    not a compiled constant, so the exact sizes cost nothing but a cache entry per layer shape.
+    """
+    block_r = min(64, max(16, rank_bucket))
+    warps = _WARPS_RESIDENT if rank_bucket <= block_r else _WARPS_RANK_LOOP
+    row_blocks = -(-n_rows // _BLOCK_M)
+    max_splits = max(1, n_col_tiles // _MIN_TILES_PER_SPLIT)
+    n_splits = min(max_splits, -(-_PROGRAMS_PER_SM * sm_count // row_blocks))
+    tiles_per_split = -(-n_col_tiles // n_splits)
+    return _Config(_BLOCK_M, _BLOCK_K, block_r, tiles_per_split * _BLOCK_K, warps, _NUM_STAGES)
+
+
+def _dot_mode(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> tuple[bool, str]:
+    """(NATIVE, PRECISION) for the B·A tiles."""
+    if lora_A.dtype == lora_B.dtype and lora_A.dtype in _HALF_DTYPES:
+        # The interpreter multiplies bf16 tiles as their raw uint16 storage, so there the pair is upcast instead:
+        # bf16 x bf16 products are exact in fp32, so "ieee" fp32 dots compute the same sums as the native ones.
+        if _INTERPRET and lora_A.dtype == torch.bfloat16:
+            return False, "ieee"
+        return True, "ieee"  # PRECISION is unused on the native path; one fixed value avoids extra variants
+    return False, "tf32x3" if weight.dtype == torch.float32 else "tf32"
+
+
+def _device_guard(t: torch.Tensor):
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _row_norm_triton(weight, lora_A, lora_B, scale, config: _Config):
+    d_out, d_in = weight.shape
+    rank = lora_A.shape[0]
+    out = torch.empty(d_out, dtype=torch.float32, device=weight.device)
+    row_blocks = triton.cdiv(d_out, config.block_m)
+    n_splits = triton.cdiv(d_in, config.cols_per_split)
+    # One split: the first kernel takes the root and writes the output directly (one launch instead of two).
+    partial = out if n_splits == 1 else torch.empty((n_splits, d_out), dtype=torch.float32, device=weight.device)
+    native, precision = _dot_mode(weight, lora_A, lora_B)
+    with _device_guard(weight):
+        _row_norm_partial_kernel[(row_blocks * n_splits,)](
+            weight, lora_A, lora_B, partial,
+            d_out, d_in, rank, row_blocks, config.cols_per_split, float(scale),
+            weight.stride(0), weight.stride(1), lora_A.stride(0), lora_A.stride(1),
+            lora_B.stride(0), lora_B.stride(1),
+            NATIVE=native, PRECISION=precision, B_RESIDENT=rank <= config.block_r, FINISH=n_splits == 1,
+            BLOCK_M=config.block_m, BLOCK_K=config.block_k, BLOCK_R=config.block_r,
+            num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False,
+        )  # fmt: skip
+        if n_splits > 1:
+            grid = (triton.cdiv(d_out, _FINISH_BLOCK),)
+            _row_norm_finish_kernel[grid](partial, out, d_out, n_splits, BLOCK=_FINISH_BLOCK, enable_fp_fusion=False)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public functions.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def triton_row_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float) -> torch.Tensor:
+    """``||W + scale·B·A||`` per row of ``W`` as a new contiguous fp32 [d_out] tensor, without forming ``B·A``.
+
+    Args:
+        weight: ``W``, [d_out, d_in], fp32, bf16 or fp16, any strides (a transposed view is read in place).
+        lora_A: ``A``, [r, d_in], fp32, bf16 or fp16, any strides.
+        lora_B: ``B``, [d_out, r], fp32, bf16 or fp16, any strides.
+        scale: the LoRA scaling ``s``.
+
+    Raises ValueError when the shapes do not chain and RuntimeError for anything else :func:`row_norm_supported`
+    rejects. Autograd and autocast play no part: the result is detached and no torch matmul runs.
+    """
+    reason = _unsupported(weight, lora_A, lora_B)
+    if reason is not None:
+        raise (ValueError if reason.startswith("shapes") else RuntimeError)(f"triton_row_norm: {reason}")
+    d_out, d_in = weight.shape
+    if d_in == 0:
+        return torch.zeros(d_out, dtype=torch.float32, device=weight.device)
+    sm_count = _sm_count(weight.device.index if weight.is_cuda else None)
+    n_col_tiles = triton.cdiv(d_in, _BLOCK_K)
+    config = _launch_config(d_out, n_col_tiles, _next_pow2(lora_A.shape[0]), sm_count)
+    return _row_norm_triton(weight, lora_A, lora_B, scale, config)

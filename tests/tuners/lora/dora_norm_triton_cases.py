@@ -1,0 +1,153 @@
+"""One-pass Triton row norm against an fp64 dense reference under the Triton interpreter; `test_dora_norm_triton.py`
+runs this file in a child process with TRITON_INTERPRET=1 (Triton fixes interpretation when a kernel is decorated,
+i.e. when the module is first imported).
+
+Run directly: TRITON_INTERPRET=1 python -m pytest tests/tuners/lora/dora_norm_triton_cases.py -q
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from peft.tuners.lora import dora_norm_triton as N
+
+
+if not N.row_norm_supported(torch.empty(1, 1), torch.empty(1, 1), torch.empty(1, 1)):
+    raise RuntimeError("dora_norm_triton_cases.py needs TRITON_INTERPRET=1 set before peft is imported")
+
+DIMS = (1, 5, 17, 64, 100, 130)
+RANKS = (1, 3, 16, 33, 70)
+SCALE = 0.75
+# Relative tolerance by W dtype. The reference takes the same rounded inputs in fp64, so only the kernel's fp32
+# arithmetic is judged (the interpreter runs every dot in fp32; TF32 is checked on the GPU).
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
+# Small tiles so that shapes of a few dozen columns already run several splits, several tiles per split and
+# (with r > 16) the rank loop instead of resident B rows.
+SMALL = N._Config(block_m=16, block_k=16, block_r=16, cols_per_split=32, num_warps=4, num_stages=3)
+
+
+def _inputs(d_out, d_in, r, w_dtype=torch.float32, ab_dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed * 100003 + d_out * 1009 + d_in * 31 + r)
+    weight = torch.randn(d_out, d_in, generator=gen).to(w_dtype)
+    lora_A = (torch.randn(r, d_in, generator=gen) / max(d_in, 1) ** 0.5).to(ab_dtype)
+    lora_B = torch.randn(d_out, r, generator=gen).to(ab_dtype)
+    return weight, lora_A, lora_B
+
+
+def _reference(weight, lora_A, lora_B, scale):
+    return torch.linalg.vector_norm(weight.double() + scale * lora_B.double() @ lora_A.double(), dim=1)
+
+
+def _norm(weight, lora_A, lora_B, scale, config=None):
+    """The public function (default policy) or the launcher with an explicit config."""
+    if config is None:
+        return N.triton_row_norm(weight, lora_A, lora_B, scale)
+    return N._row_norm_triton(weight, lora_A, lora_B, scale, config)
+
+
+def _check(got, weight, lora_A, lora_B, scale=SCALE):
+    assert got.dtype == torch.float32 and got.shape == (weight.shape[0],) and got.is_contiguous()
+    want = _reference(weight, lora_A, lora_B, scale)
+    rtol = RTOL[weight.dtype]
+    atol = rtol * want.nan_to_num(0.0, 0.0, 0.0).abs().max().item()  # rows near 0: judged on the output scale
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol, equal_nan=True)
+
+
+@pytest.mark.parametrize("d_out, d_in", list(itertools.product(DIMS, DIMS)))
+def test_fp32_matches_fp64(d_out, d_in):
+    r = RANKS[(DIMS.index(d_out) + DIMS.index(d_in)) % len(RANKS)]  # every rank, spread over the shape grid
+    weight, lora_A, lora_B = _inputs(d_out, d_in, r)
+    _check(N.triton_row_norm(weight, lora_A, lora_B, SCALE), weight, lora_A, lora_B)
+
+
+DTYPE_COMBOS = [
+    (torch.bfloat16, torch.float32, torch.float32),  # autocast: half base weight, fp32 adapter
+    (torch.float16, torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16),  # native half dot
+    (torch.float16, torch.float16, torch.float16),
+    (torch.float32, torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16, torch.float32),  # mixed adapter dtypes: fp32 operands
+    (torch.float16, torch.bfloat16, torch.float16),
+]
+
+
+@pytest.mark.parametrize("w_dtype, a_dtype, b_dtype", DTYPE_COMBOS, ids=str)
+@pytest.mark.parametrize("d_out, d_in, r", [(17, 130, 33), (100, 64, 3), (5, 100, 70)])
+def test_dtype_combinations(w_dtype, a_dtype, b_dtype, d_out, d_in, r):
+    weight, lora_A, _ = _inputs(d_out, d_in, r, w_dtype, a_dtype)
+    lora_B = _inputs(d_out, d_in, r, ab_dtype=b_dtype, seed=1)[2]
+    _check(N.triton_row_norm(weight, lora_A, lora_B, SCALE), weight, lora_A, lora_B)
+
+
+@pytest.mark.parametrize("layout", ["w_transposed", "a_transposed", "b_transposed", "all_transposed", "sliced"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_inputs(layout, dtype):
+    d_out, d_in, r = 37, 100, 20
+    weight, lora_A, lora_B = _inputs(d_out, d_in, r, dtype, dtype)
+    if layout in ("w_transposed", "all_transposed"):
+        weight = weight.t().contiguous().t()
+    if layout in ("a_transposed", "all_transposed"):
+        lora_A = lora_A.t().contiguous().t()
+    if layout in ("b_transposed", "all_transposed"):
+        lora_B = lora_B.t().contiguous().t()
+    if layout == "sliced":  # strides > extent on both axes of every operand
+        weight = _inputs(2 * d_out, 3 * d_in, r, dtype)[0][::2, 1::3]
+        lora_A = _inputs(2 * r, 2 * d_in, r, dtype)[0][1::2, ::2]
+        lora_B = _inputs(3 * d_out, 2 * r, r, dtype)[0][::3, 1::2]
+    _check(N.triton_row_norm(weight, lora_A, lora_B, SCALE), weight, lora_A, lora_B)
+    _check(N._row_norm_triton(weight, lora_A, lora_B, SCALE, SMALL), weight, lora_A, lora_B)
+
+
+@pytest.mark.parametrize("d_out, d_in, r", [(37, 100, 20), (5, 130, 70), (64, 33, 1), (17, 16, 16)])
+def test_several_splits(d_out, d_in, r):
+    weight, lora_A, lora_B = _inputs(d_out, d_in, r)
+    for config in (SMALL, SMALL._replace(cols_per_split=16), SMALL._replace(block_m=32, block_r=64)):
+        _check(N._row_norm_triton(weight, lora_A, lora_B, SCALE, config), weight, lora_A, lora_B)
+
+
+def test_default_policy_splits_wide_weights():
+    weight, lora_A, lora_B = _inputs(20, 600, 3)
+    config = N._launch_config(20, 10, 4, N._DEFAULT_SM_COUNT)
+    assert -(-600 // config.cols_per_split) > 1
+    _check(N.triton_row_norm(weight, lora_A, lora_B, SCALE), weight, lora_A, lora_B)
+
+
+def test_bitwise_repeatable():
+    weight, lora_A, lora_B = _inputs(37, 100, 20, torch.bfloat16, torch.float32)
+    for config in (SMALL, N._launch_config(37, 2, 32, N._DEFAULT_SM_COUNT)):
+        first = N._row_norm_triton(weight, lora_A, lora_B, SCALE, config)
+        assert torch.equal(first, N._row_norm_triton(weight, lora_A, lora_B, SCALE, config))
+
+
+def test_empty_input_dimension_gives_zeros():
+    weight, lora_A, lora_B = _inputs(7, 0, 3)
+    got = N.triton_row_norm(weight, lora_A, lora_B, SCALE)
+    assert got.dtype == torch.float32 and torch.equal(got, torch.zeros(7))
+
+
+@pytest.mark.parametrize("config", [None, SMALL], ids=["default", "small"])
+def test_zero_scale_is_the_weight_norm(config):
+    weight, lora_A, lora_B = _inputs(17, 100, 33, torch.bfloat16, torch.float32)
+    got = _norm(weight, lora_A, lora_B, 0.0, config)
+    torch.testing.assert_close(got.double(), torch.linalg.vector_norm(weight.double(), dim=1), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("config", [None, SMALL], ids=["default", "small"])
+def test_nan_and_inf_propagate(config):
+    weight, lora_A, lora_B = _inputs(37, 100, 20)
+    weight[3, 50], weight[9, 0], weight[20, 99] = float("nan"), float("inf"), float("-inf")
+    got = _norm(weight, lora_A, lora_B, SCALE, config)
+    assert got[3].isnan() and got[9] == float("inf") and got[20] == float("inf")
+    _check(got, weight, lora_A, lora_B)  # every other row as usual, NaN/Inf in the same places
+
+
+def test_ignores_autocast_and_autograd():
+    weight, lora_A, lora_B = _inputs(17, 64, 16, torch.bfloat16, torch.float32)
+    lora_A.requires_grad_(True)
+    lora_B.requires_grad_(True)
+    plain = N.triton_row_norm(weight, lora_A, lora_B, SCALE)
+    assert not plain.requires_grad
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert torch.equal(N.triton_row_norm(weight, lora_A, lora_B, SCALE), plain)
+    _check(plain, weight, lora_A.detach(), lora_B.detach())

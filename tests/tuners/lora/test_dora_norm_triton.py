@@ -1,0 +1,120 @@
+"""The one-pass Triton row norm on CPU: the support rules and the launch policy here, the kernels against an fp64
+reference under the Triton interpreter (dora_norm_triton_cases.py, in a child process)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from peft.tuners.lora import dora_norm_triton as N
+
+
+HERE = Path(__file__).resolve().parent
+
+
+def _run(cmd, env):
+    return subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
+
+
+def test_kernels_under_interpreter():
+    pytest.importorskip("triton", reason="the row norm kernels need Triton (pip install triton)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEFT_DORA_")}
+    env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, "-m", "pytest", str(HERE / "dora_norm_triton_cases.py"), "-q", "-p", "no:cacheprovider",
+           "-o", "addopts=", "--rootdir", str(HERE.parents[1])]  # fmt: skip
+    proc = _run(cmd, env)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+def test_imports_and_declines_without_triton():
+    hide = (
+        "import importlib.util, sys; find = importlib.util.find_spec; sys.modules['triton'] = None; "
+        "importlib.util.find_spec = lambda name, *a: None if name.split('.')[0] == 'triton' else find(name, *a); "
+    )
+    probe = (
+        "import torch; from peft.tuners.lora import dora_norm_triton as N; t = torch.empty(2, 2); "
+        "assert not N._HAS_TRITON and not N.row_norm_supported(t, t, t)\n"
+        "try: N.triton_row_norm(t, t, t, 1.0)\n"
+        "except RuntimeError as e: print('declined:', e)"
+    )
+    proc = _run([sys.executable, "-c", hide + probe], dict(os.environ, TRITON_INTERPRET="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "declined: triton_row_norm: Triton is not installed" in proc.stdout, proc.stdout
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    """``interpret(flag)`` makes the module believe TRITON_INTERPRET was (not) set; only the host logic runs."""
+    return lambda flag: monkeypatch.setattr(N, "_INTERPRET", flag)
+
+
+@pytest.mark.skipif(not N._HAS_TRITON, reason="needs Triton")
+def test_supported_rules(interpret):
+    interpret(True)
+    w, a, b = torch.empty(6, 8), torch.empty(3, 8), torch.empty(6, 3)
+    assert N.row_norm_supported(w, a, b)
+    assert N.row_norm_supported(w.bfloat16().t().contiguous().t(), a.half(), b.bfloat16())  # any strides, mixed
+    assert N.row_norm_supported(torch.empty(6, 0), torch.empty(3, 0), b)  # d_in == 0 is a zero-launch case
+    assert not N.row_norm_supported(w.double(), a, b)  # fp64 stays in PyTorch
+    assert not N.row_norm_supported(w, a.double(), b)
+    assert not N.row_norm_supported(w, a, b.double())
+    assert not N.row_norm_supported(w, torch.empty(0, 8), torch.empty(6, 0))  # r == 0
+    assert not N.row_norm_supported(torch.empty(0, 8), a, torch.empty(0, 3))  # d_out == 0
+    assert not N.row_norm_supported(w, a, torch.empty(6, 4))  # shapes do not chain
+    assert not N.row_norm_supported(w[None], a, b)
+    assert not N.row_norm_supported(w.to("meta"), a, b)
+    interpret(False)
+    assert not N.row_norm_supported(w, a, b)  # CPU tensors need the interpreter
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_shape_errors_raise_value_error(interpret, flag):
+    interpret(flag)
+    w, a, b = torch.randn(6, 8), torch.randn(3, 8), torch.randn(6, 3)
+    for args in ((w, a, torch.randn(6, 4)), (w, torch.randn(3, 7), b), (w, a, torch.randn(5, 3)), (w[None], a, b)):
+        with pytest.raises(ValueError, match="triton_row_norm: shapes"):
+            N.triton_row_norm(*args, 1.0)
+
+
+@pytest.mark.skipif(not N._HAS_TRITON, reason="needs Triton")
+def test_unsupported_device_or_dtype_raises_runtime_error(interpret):
+    interpret(False)
+    w, a, b = torch.randn(6, 8), torch.randn(3, 8), torch.randn(6, 3)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        N.triton_row_norm(w, a, b, 1.0)
+    interpret(True)
+    with pytest.raises(RuntimeError, match="dtypes"):
+        N.triton_row_norm(w.double(), a, b, 1.0)
+
+
+def test_dot_mode(interpret):
+    f32, bf16, f16 = torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bfloat16), torch.empty(0).half()
+    interpret(False)
+    assert N._dot_mode(f32, f32, f32) == (False, "tf32x3")
+    assert N._dot_mode(bf16, f32, f32) == (False, "tf32")  # autocast: half W, fp32 adapter
+    assert N._dot_mode(f16, f32, f32) == (False, "tf32")
+    assert N._dot_mode(f32, bf16, bf16)[0] and N._dot_mode(bf16, f16, f16)[0]  # same-dtype half pairs: native
+    assert N._dot_mode(bf16, bf16, f16) == (False, "tf32")  # mixed pair: fp32 operands
+    interpret(True)
+    assert N._dot_mode(bf16, bf16, bf16) == (False, "ieee")  # the interpreter cannot multiply bf16 tiles
+    assert N._dot_mode(bf16, f16, f16)[0]
+
+
+@pytest.mark.parametrize(
+    "d_out, d_in, r",
+    [(4096, 4096, 768), (14336, 4096, 384), (4096, 14336, 384), (28672, 4096, 64), (4096, 28672, 16), (64, 64, 1)],
+)
+def test_launch_policy(d_out, d_in, r):
+    tiles = -(-d_in // N._BLOCK_K)
+    cfg = N._launch_config(d_out, tiles, N._next_pow2(r), 132)
+    splits, row_blocks = -(-d_in // cfg.cols_per_split), -(-d_out // cfg.block_m)
+    assert cfg.cols_per_split % cfg.block_k == 0 and min(cfg.block_m, cfg.block_k, cfg.block_r) >= 16
+    assert cfg.block_r == min(64, max(16, N._next_pow2(r)))
+    assert splits == 1 or cfg.cols_per_split // cfg.block_k >= N._MIN_TILES_PER_SPLIT
+    # Enough programs for two per SM, unless the columns are already split as finely as allowed.
+    assert row_blocks * splits >= 2 * 132 or splits >= tiles // N._MIN_TILES_PER_SPLIT
+    assert splits == 1 or row_blocks * (splits - 1) < 2 * 132  # no more splits than needed
