@@ -94,13 +94,14 @@ def test_unsupported_device_or_dtype_raises_runtime_error(interpret):
 def test_dot_mode(interpret):
     f32, bf16, f16 = torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bfloat16), torch.empty(0).half()
     interpret(False)
-    assert N._dot_mode(f32, f32, f32) == (False, "tf32x3")
-    assert N._dot_mode(bf16, f32, f32) == (False, "tf32")  # autocast: half W, fp32 adapter
-    assert N._dot_mode(f16, f32, f32) == (False, "tf32")
+    assert N._dot_mode(f32, f32, f32) == (False, False, "tf32x3")
+    assert N._dot_mode(bf16, f32, f32) == (False, True, "ieee")  # autocast: half W, fp32 adapter -> bf16 hi/lo
+    assert N._dot_mode(f16, f32, f32) == (False, True, "ieee")
     assert N._dot_mode(f32, bf16, bf16)[0] and N._dot_mode(bf16, f16, f16)[0]  # same-dtype half pairs: native
-    assert N._dot_mode(bf16, bf16, f16) == (False, "tf32")  # mixed pair: fp32 operands
+    assert N._dot_mode(bf16, bf16, f16) == (False, True, "ieee")  # mixed pair: split fp32 operands
     interpret(True)
-    assert N._dot_mode(bf16, bf16, bf16) == (False, "ieee")  # the interpreter cannot multiply bf16 tiles
+    assert N._dot_mode(bf16, bf16, bf16) == (False, False, "ieee")  # the interpreter cannot multiply bf16 tiles
+    assert N._dot_mode(bf16, f32, f32) == (False, False, "ieee")
     assert N._dot_mode(bf16, f16, f16)[0]
 
 
