@@ -119,3 +119,32 @@ def test_launch_policy(d_out, d_in, r):
     # Enough programs for two per SM, unless the columns are already split as finely as allowed.
     assert row_blocks * splits >= 2 * 132 or splits >= tiles // N._MIN_TILES_PER_SPLIT
     assert splits == 1 or row_blocks * (splits - 1) < 2 * 132  # no more splits than needed
+
+
+def test_norm_kernel_dispatch_follows_dtypes_and_switch(dora_env, monkeypatch):
+    """Auto: the kernel for a half weight with same-dtype half adapters; fp32 adapters (autocast) keep the PyTorch
+    norm unless PEFT_DORA_NORM_KERNEL=1; 0 or PEFT_DORA_FUSED=0 turn it off."""
+    from peft.tuners.lora import dora
+
+    monkeypatch.setattr(dora.dora_norm_triton, "row_norm_supported", lambda *t: True)
+    bf16, f32 = torch.empty(2, 3, dtype=torch.bfloat16), torch.empty(2, 3)
+    a_bf16, b_bf16, a_f32, b_f32 = (
+        torch.empty(1, 3).bfloat16(),
+        torch.empty(2, 1).bfloat16(),
+        torch.empty(1, 3),
+        torch.empty(2, 1),
+    )
+    assert dora._norm_kernel_applies(bf16, a_bf16, b_bf16)
+    assert not dora._norm_kernel_applies(bf16, a_f32, b_f32)
+    assert not dora._norm_kernel_applies(f32, a_f32, b_f32)
+    dora_env("PEFT_DORA_NORM_KERNEL", "1")
+    assert dora._norm_kernel_applies(bf16, a_f32, b_f32) and dora._norm_kernel_applies(f32, a_f32, b_f32)
+    dora_env("PEFT_DORA_NORM_KERNEL", "0")
+    assert not dora._norm_kernel_applies(bf16, a_bf16, b_bf16)
+    dora_env("PEFT_DORA_NORM_KERNEL", None)
+    dora_env("PEFT_DORA_FUSED", "0")
+    assert not dora._norm_kernel_applies(bf16, a_bf16, b_bf16)
+    dora_env("PEFT_DORA_FUSED", None)
+    dora_env("PEFT_DORA_NORM_KERNEL", "maybe")
+    with pytest.raises(ValueError, match="PEFT_DORA_NORM_KERNEL"):
+        dora._norm_kernel_applies(bf16, a_bf16, b_bf16)
