@@ -117,6 +117,8 @@ def parse_args(argv=None):
       help="evenly spaced elements kept per lora_A/lora_B gradient for the cosines; 0 keeps all (exact, ~1 GB/run)")
     a("--conv-steps", type=int, help="convergence steps (default 500; tiny 20)")
     a("--conv-seeds", default="0,1")
+    a("--conv-lr", type=float, default=3e-3, help="AdamW learning rate of the convergence runs")
+    a("--conv-mode", choices=("autocast", "bf16", "fp32"), help="precision of the convergence runs (GPU: autocast)")
     a("--conv-rank", type=int, help="convergence rank (default 64; tiny 8)")
     a("--seed", type=int, default=0)
     a("--ours-wheel", help="our built wheel, or a directory holding an install of it (default: .carry-bench/)")
@@ -215,8 +217,8 @@ def resolve_config(args) -> dict:
             "seeds": _ints(args.conv_seeds),
             "batch": 8,
             "seq": 64,
-            "lr": 3e-3,
-            "mode": "autocast" if args.device.startswith("cuda") else "fp32",
+            "lr": args.conv_lr,
+            "mode": args.conv_mode or ("autocast" if args.device.startswith("cuda") else "fp32"),
         },
         "profile": {"mode": "autocast", "rank": headline_rank, "top": 25,
                     "impls": _names(args.profile_impls, IMPLS)},
