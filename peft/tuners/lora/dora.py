@@ -235,7 +235,7 @@ def factored_row_norm(
             f"B {tuple(lora_B.shape)} (expected A [r, {d_in}] and B [{d_out}, r])"
         )
     if _norm_kernel_applies(weight, lora_A, lora_B):
-        return dora_norm_triton.triton_row_norm(weight, lora_A, lora_B, scale)
+        return dora_norm_triton.row_norm_checked(weight, lora_A, lora_B, scale)
     budget = get_dora_norm_threshold_bytes() if chunk_bytes is None else chunk_bytes
     cs = _chunk_columns(d_out, r, d_in, budget)
     scale = float(scale)
@@ -273,16 +273,13 @@ def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: tor
     it off with the other kernels.
     """
     env = _env()
-    if (
-        env.fused is False
-        or env.norm_kernel is False
-        or not dora_norm_triton.row_norm_supported(weight, lora_A, lora_B)
-    ):
+    if env.fused is False or env.norm_kernel is False:
         return False
-    if env.norm_kernel:
-        return True
-    half = (torch.bfloat16, torch.float16)
-    return weight.dtype in half and lora_A.dtype == lora_B.dtype == weight.dtype
+    if env.norm_kernel is None and not (
+        weight.dtype in (torch.bfloat16, torch.float16) and lora_A.dtype == lora_B.dtype == weight.dtype
+    ):
+        return False  # decided by dtypes alone: the support check below costs host time on every forward
+    return dora_norm_triton.row_norm_supported(weight, lora_A, lora_B)
 
 
 def _accumulate(total: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
@@ -403,7 +400,8 @@ def _output_with_dispatch(
     it replaces about ten eager launches (g, the composition, the residual add) with one, at every size."""
     if torch.compiler.is_compiling() or not _kernels_allowed(lora):
         return None
-    if not dora_fused.output_supported(result, lora, bias, magnitude, weight_norm):
+    strides = dora_fused._output_layout(result, lora, bias, magnitude, weight_norm)
+    if strides is None:
         return None
     training = torch.is_grad_enabled() and (result.requires_grad or lora.requires_grad or magnitude.requires_grad)
     if training and _env().fused_backward is False:
@@ -411,7 +409,7 @@ def _output_with_dispatch(
     tier = TIER_FUSED_BACKWARD if training else TIER_FUSED_FORWARD
     tier_counts[tier] += 1
     layer.last_tier = tier
-    return dora_fused.fused_dora_output(result, lora, magnitude, weight_norm, scale, _eps_for(weight_dtype), bias)
+    return dora_fused._fused_output(result, lora, magnitude, weight_norm, scale, _eps_for(weight_dtype), bias, strides)
 
 
 # ---------------------------------------------------------------------------------------------------------------

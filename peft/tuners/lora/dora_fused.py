@@ -132,20 +132,20 @@ if _HAS_TRITON:
     def _backward_kernel(
         d_out_ptr, inner_ptr, g_ptr, norm_ptr, d_lora_ptr, d_base_ptr, partial_ptr,
         n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, stride_d_lora, stride_d_base, scale, eps,
-        NEED_LORA: tl.constexpr, NEED_BASE: tl.constexpr, NEED_MAG: tl.constexpr, G_FROM_MAG: tl.constexpr,
-        BASE_GAIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        NEED_LORA: tl.constexpr, NEED_BASE: tl.constexpr, NEED_MAG: tl.constexpr, ONE_PASS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        """d_lora = g·(s·d_out), d_base = (g - 1 + BASE_GAIN)·d_out, and stage one of d_g: this program's column sums
-        of inner·d_out over its ``rows_per_program`` rows, written to row ``pid // n_col_blocks`` of ``partial``.
-        With G_FROM_MAG, ``g_ptr`` holds m and g = m / max(w_norm, eps) is formed here. BASE_GAIN = 1 gives the
-        gradient of ``result`` for the one-pass output (result enters it once directly and once through base).
+        """d_lora = g·(s·d_out), d_base = (g - 1)·d_out, and stage one of d_g: this program's column sums of
+        inner·d_out over its ``rows_per_program`` rows, written to row ``pid // n_col_blocks`` of ``partial``.
+        ONE_PASS gives the gradients of the one-pass output: ``g_ptr`` holds m and g = m / max(w_norm, eps) is formed
+        here, and d_base is that of ``result``, g·d_out (result enters once directly and once through base).
         A fixed tile order and a fixed in-register tree make the partial sums bitwise repeatable (no atomics)."""
         pid = tl.program_id(0).to(tl.int64)
         n_col_blocks = tl.cdiv(n_cols, BLOCK_N)
         band = pid // n_col_blocks
         cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
-        if G_FROM_MAG:
+        if ONE_PASS:
             g = _magnitude_scale(g_ptr, norm_ptr, cols, col_mask, eps)[None, :]
         else:
             g = tl.load(g_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -159,7 +159,7 @@ if _HAS_TRITON:
                 d_lora = g * (scale * d_out)
                 tl.store(_at(d_lora_ptr, rows, cols, stride_d_lora), d_lora.to(d_lora_ptr.dtype.element_ty), mask=mask)
             if NEED_BASE:
-                if BASE_GAIN:
+                if ONE_PASS:
                     d_base = g * d_out
                 else:
                     d_base = (g - 1.0) * d_out
@@ -361,8 +361,8 @@ def _backward_triton(
         d_out, inner if needs_mag_grad else d_out, g, norm if from_mag else g, d_lora if needs_lora_grad else d_out,
         d_base if needs_base_grad else d_out, partial,
         n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, n_cols, n_cols, float(scale), float(eps),
-        NEED_LORA=needs_lora_grad, NEED_BASE=needs_base_grad, NEED_MAG=needs_mag_grad, G_FROM_MAG=from_mag,
-        BASE_GAIN=from_mag, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
+        NEED_LORA=needs_lora_grad, NEED_BASE=needs_base_grad, NEED_MAG=needs_mag_grad, ONE_PASS=from_mag,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     if needs_mag_grad:
         # 8 × 256 fp32 per step: the buffer has at most a few thousand rows, so this pass costs microseconds.
@@ -536,10 +536,8 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, result, lora, magnitude, weight_norm, bias, scale, eps):
-        strides = _output_layout(result, lora, bias, magnitude, weight_norm)
-        if strides is None:
-            raise ValueError("FusedDoRAOutputFunction: unsupported layout (check output_supported first)")
+    def forward(ctx, result, lora, magnitude, weight_norm, bias, scale, eps, strides):
+        """``strides``: :func:`_output_layout` of these tensors, which the caller has checked is not None."""
         inner = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device) if ctx.needs_input_grad[2] else None
         if lora.numel() > 0:
             _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, inner, strides)
@@ -553,7 +551,7 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
         inner, magnitude, weight_norm = ctx.saved_tensors
         needs_result, needs_lora, needs_mag = ctx.needs_input_grad[:3]
         if not (needs_result or needs_lora or needs_mag):
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         layout = _layout(d_y, inner if needs_mag else d_y, magnitude) if kernels_available(d_y) else None
         if layout is not None and d_y.numel() > 0:
             d_lora, d_result, d_mag = _backward_triton(
@@ -563,7 +561,7 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
             d_result, d_lora, d_mag = _output_backward_torch(
                 d_y, inner, magnitude, weight_norm, ctx.scale, ctx.eps, needs_result, needs_lora, needs_mag
             )
-        return d_result, d_lora, d_mag, None, None, None, None
+        return d_result, d_lora, d_mag, None, None, None, None, None
 
 
 def _fused_backward(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad):
@@ -655,14 +653,21 @@ def fused_dora_output(
     written once into ``lora``'s buffer (which it consumes). Records one autograd node when grad mode is on and an
     input needs a gradient; otherwise runs the bare kernel. Falls back to PyTorch where :func:`output_supported`
     is False."""
-    if not output_supported(result, lora, bias, magnitude, weight_norm) or torch.compiler.is_compiling():
+    strides = None
+    if kernels_available(lora) and not torch.compiler.is_compiling():
+        strides = _output_layout(result, lora, bias, magnitude, weight_norm)
+    if strides is None:
         return _output_torch(result, lora, bias, magnitude, weight_norm, scale, eps)
+    return _fused_output(result, lora, magnitude, weight_norm, scale, eps, bias, strides)
+
+
+def _fused_output(result, lora, magnitude, weight_norm, scale, eps, bias, strides) -> torch.Tensor:
+    """:func:`fused_dora_output` on tensors whose :func:`_output_layout` (``strides``) the caller has taken."""
     scale, eps = float(scale), float(eps)
     if torch.is_grad_enabled() and (result.requires_grad or lora.requires_grad or magnitude.requires_grad):
-        return FusedDoRAOutputFunction.apply(result, lora, magnitude, weight_norm, bias, scale, eps)
+        return FusedDoRAOutputFunction.apply(result, lora, magnitude, weight_norm, bias, scale, eps, strides)
     if lora.numel() > 0:
-        _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, None,
-                       _output_layout(result, lora, bias, magnitude, weight_norm))  # fmt: skip
+        _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, None, strides)
     return lora
 
 

@@ -300,6 +300,12 @@ def triton_row_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Te
     reason = _unsupported(weight, lora_A, lora_B)
     if reason is not None:
         raise (ValueError if reason.startswith("shapes") else RuntimeError)(f"triton_row_norm: {reason}")
+    return row_norm_checked(weight, lora_A, lora_B, scale)
+
+
+def row_norm_checked(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`triton_row_norm` for callers that have just seen :func:`row_norm_supported` return True (the checks
+    cost host time on every DoRA forward, so the hot path runs them once)."""
     d_out, d_in = weight.shape
     if d_in == 0:
         return torch.zeros(d_out, dtype=torch.float32, device=weight.device)

@@ -214,11 +214,9 @@ def test_output_d_mag_is_bitwise_repeatable():
         assert torch.equal(gr.view(torch.int32), grads[0].view(torch.int32))
 
 
-def test_model_takes_the_one_pass_output_in_both_tiers():
+def test_model_takes_the_one_pass_output_in_both_tiers(dora_env):
     """A DoRA Linear model: training forwards record one fused autograd node per layer, inference runs the bare
     kernel, and both agree with the eager tier (PEFT_DORA_FUSED=0) within fp32 tolerance."""
-    import os
-
     from torch import nn
 
     from peft import LoraConfig, get_peft_model
@@ -241,13 +239,8 @@ def test_model_takes_the_one_pass_output_in_both_tiers():
     dora.tier_counts.clear()
     out, grads, infer = step()
     assert dora.tier_counts == {dora.TIER_FUSED_BACKWARD: 2, dora.TIER_FUSED_FORWARD: 2}
-    os.environ["PEFT_DORA_FUSED"] = "0"
-    dora._invalidate_fused_cache()
-    try:
-        out_e, grads_e, infer_e = step()
-    finally:
-        del os.environ["PEFT_DORA_FUSED"]
-        dora._invalidate_fused_cache()
+    dora_env("PEFT_DORA_FUSED", "0")
+    out_e, grads_e, infer_e = step()
     assert_close(out, out_e)
     assert_close(infer, infer_e)
     for name in grads:
