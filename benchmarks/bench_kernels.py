@@ -17,11 +17,11 @@ import json
 import platform
 import statistics
 import subprocess
-import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import torch
+from timing import loop_us
 
 from peft.tuners.lora import dora_fused as F
 
@@ -106,17 +106,8 @@ def bench_crossover():
 def host_us(fn, calls=3000):
     """Wall time per call in µs (median, min, max of 5 loops) after a warm-up; with tiny tensors the GPU idles, so
     this is the host cost of a call."""
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-    return {"median_us": statistics.median(samples), "min_us": min(samples), "max_us": max(samples)}
+    t = loop_us(fn, torch.cuda.synchronize, warmup=200, loops=5, calls=calls)
+    return {"median_us": t["median"], "min_us": t["min"], "max_us": t["max"]}
 
 
 def bench_host_overhead():

@@ -24,8 +24,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from timing import loop_us
 
 
 HERE = Path(__file__).resolve().parent
@@ -133,17 +134,8 @@ def _worker(spec: dict) -> dict:
 
 
 def _time(fn, iters: int, repeats: int, torch) -> dict:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / iters * 1e6)
-    return {"wall_us": statistics.median(samples), "wall_us_min": min(samples), "wall_us_max": max(samples)}
+    t = loop_us(fn, torch.cuda.synchronize, warmup=3, loops=repeats, calls=iters)
+    return {"wall_us": t["median"], "wall_us_min": t["min"], "wall_us_max": t["max"]}
 
 
 def _profile(fn, torch, calls: int = 6) -> dict:
