@@ -56,28 +56,39 @@ DEFAULT_IMPLS = ("upstream", "ours_eager", "ours_fused", "lora")
 DORA_IMPLS = ("upstream", "ours_eager", "ours_fused")
 CONVERGENCE_IMPLS = DORA_IMPLS + ("ours_fused_forced",)
 MODES = ("autocast", "bf16")
-MEASURES = ("train", "train_accum4", "infer", "decode")
+MEASURES = ("train", "train_accum4", "step_accum4", "infer", "decode")
 EXTRA_MEASURES = ("decode_cached",)  # opt-in: decode under peft.helpers.DoraCaching
 TASKS = ("speed", "fidelity", "convergence", "profile")
 
 PRESETS = {
     "llama": {
-        "config_class": "LlamaConfig", "model_class": "LlamaForCausalLM",
-        "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "config_class": "LlamaConfig",
+        "model_class": "LlamaForCausalLM",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
     },
     "qwen": {
-        "config_class": "Qwen2Config", "model_class": "Qwen2ForCausalLM",
-        "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "config_class": "Qwen2Config",
+        "model_class": "Qwen2ForCausalLM",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
     },
     # Gemma (7B-like dims): embeddings scaled by sqrt(hidden), head_dim 256, tied embeddings.
     "gemma": {
-        "config_class": "GemmaConfig", "model_class": "GemmaForCausalLM",
-        "hidden_size": 3072, "intermediate_size": 24576, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "config_class": "GemmaConfig",
+        "model_class": "GemmaForCausalLM",
+        "hidden_size": 3072,
+        "intermediate_size": 24576,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
         "head_dim": 256,
     },
 }
-TINY = {"hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16}
+TINY = {"hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -113,8 +124,12 @@ def parse_args(argv=None):
     a("--new-tokens", type=int, help="generated tokens (default 128; tiny 8)")
     a("--headline-rank", type=int, help="rank for the headline ratios (default 384; tiny 8)")
     a("--fidelity-rank", type=int, help="rank for the fidelity runs (default: the headline rank)")
-    a("--grad-sample", type=int, default=65536,
-      help="evenly spaced elements kept per lora_A/lora_B gradient for the cosines; 0 keeps all (exact, ~1 GB/run)")
+    a(
+        "--grad-sample",
+        type=int,
+        default=65536,
+        help="evenly spaced elements kept per lora_A/lora_B gradient for the cosines; 0 keeps all (exact, ~1 GB/run)",
+    )
     a("--conv-steps", type=int, help="convergence steps (default 500; tiny 20)")
     a("--conv-seeds", default="0,1")
     a("--conv-lr", type=float, default=3e-3, help="AdamW learning rate of the convergence runs")
@@ -160,8 +175,12 @@ def resolve_config(args) -> dict:
     preset = dict(PRESETS[args.preset])
     config_class, model_class = preset.pop("config_class"), preset.pop("model_class")
     dims = dict(preset, **TINY) if tiny else preset
-    overrides = {"hidden_size": args.hidden, "intermediate_size": args.intermediate,
-                 "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads}
+    overrides = {
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+    }
     dims.update({k: v for k, v in overrides.items() if v is not None})
     if args.hidden or args.heads:
         dims["head_dim"] = dims["hidden_size"] // dims["num_attention_heads"]
@@ -176,8 +195,12 @@ def resolve_config(args) -> dict:
     ranks = _ints(args.ranks) if args.ranks else ([4, 8] if tiny else [64, 384, 768])
     headline_rank = pick(args.headline_rank, 384, 8)
     tasks = _names(args.tasks, TASKS) + (["profile"] if args.profile and "profile" not in args.tasks else [])
-    conv_dims = dict(preset, **TINY) if tiny else dict(
-        preset, hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4, head_dim=64
+    conv_dims = (
+        dict(preset, **TINY)
+        if tiny
+        else dict(
+            preset, hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4, head_dim=64
+        )
     )
     return {
         "preset": args.preset,
@@ -210,8 +233,13 @@ def resolve_config(args) -> dict:
             "modes": ["autocast", "bf16", "fp32"],
         },
         "convergence": {
-            "config_kwargs": dict(conv_dims, vocab_size=256, num_hidden_layers=2 if tiny else 4,
-                                  max_position_embeddings=64, initializer_range=0.02),
+            "config_kwargs": dict(
+                conv_dims,
+                vocab_size=256,
+                num_hidden_layers=2 if tiny else 4,
+                max_position_embeddings=64,
+                initializer_range=0.02,
+            ),
             "rank": pick(args.conv_rank, 64, 8),
             "steps": pick(args.conv_steps, 500, 20),
             "seeds": _ints(args.conv_seeds),
@@ -220,8 +248,7 @@ def resolve_config(args) -> dict:
             "lr": args.conv_lr,
             "mode": args.conv_mode or ("autocast" if args.device.startswith("cuda") else "fp32"),
         },
-        "profile": {"mode": "autocast", "rank": headline_rank, "top": 25,
-                    "impls": _names(args.profile_impls, IMPLS)},
+        "profile": {"mode": "autocast", "rank": headline_rank, "top": 25, "impls": _names(args.profile_impls, IMPLS)},
     }
 
 
@@ -230,8 +257,10 @@ def resolve_config(args) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-WHEEL_PATTERNS = {"ours": ("peft-*+dora*.whl", "ours*.whl"), "upstream": ("peft-0.21.2-py3-none-any.whl",
-                                                                         "upstream*.whl")}
+WHEEL_PATTERNS = {
+    "ours": ("peft-*+dora*.whl", "ours*.whl"),
+    "upstream": ("peft-0.21.2-py3-none-any.whl", "upstream*.whl"),
+}
 
 
 def find_wheel(explicit, which: str) -> Path:
@@ -269,8 +298,19 @@ def install(wheel: Path, target_root: Path) -> Path:
     named = target_root / "wheels" / _wheel_filename(wheel)
     named.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(wheel, named)
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
-           "--target", str(tmp), str(named)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-index",
+        "--no-compile",
+        "--target",
+        str(tmp),
+        str(named),
+    ]
     subprocess.run(cmd, check=True)
     (tmp / ".installed").write_text(wheel.name)
     shutil.rmtree(target, ignore_errors=True)
@@ -324,6 +364,7 @@ def estimate_s(cfg: dict, job: dict) -> float:
         if "speed" in job["tasks"]:
             meas = cfg["measures"]
             total += reps * 3 * fwd * ("train" in meas) + reps * 12 * fwd * ("train_accum4" in meas)
+            total += reps * 12 * fwd * ("step_accum4" in meas)
             total += reps * fwd * ("infer" in meas)
             per_tok = DECODE_S_PER_TOKEN_PER_LAYER * layers + dense_norm / EFFECTIVE_FLOPS
             total += ("decode" in meas) * (cfg["repeats"] + 1) * m["new_tokens"] * per_tok
@@ -343,10 +384,20 @@ def run_job(job: dict, cfg: dict, targets: dict, workdir: Path, timeout: float |
     impl = dict(IMPLS[name], name=name, target=str(targets[IMPLS[name]["wheel"]]))
     tag = f"{name}_{'-'.join(job['tasks'])}_{'-'.join(job['modes'])}"
     spec = {
-        "impl": impl, "model": cfg["model"], "device": cfg["device"], "tasks": job["tasks"], "modes": job["modes"],
-        "ranks": cfg["ranks"], "measures": cfg["measures"], "repeats": cfg["repeats"], "warmup": cfg["warmup"],
-        "fidelity": cfg["fidelity"], "convergence": cfg["convergence"], "profile": cfg["profile"],
-        "workdir": str(workdir), "result": str(workdir / f"result_{tag}.json"),
+        "impl": impl,
+        "model": cfg["model"],
+        "device": cfg["device"],
+        "tasks": job["tasks"],
+        "modes": job["modes"],
+        "ranks": cfg["ranks"],
+        "measures": cfg["measures"],
+        "repeats": cfg["repeats"],
+        "warmup": cfg["warmup"],
+        "fidelity": cfg["fidelity"],
+        "convergence": cfg["convergence"],
+        "profile": cfg["profile"],
+        "workdir": str(workdir),
+        "result": str(workdir / f"result_{tag}.json"),
     }
     spec_path = workdir / f"spec_{tag}.json"
     spec_path.write_text(json.dumps(spec, indent=1))
@@ -400,8 +451,11 @@ def fidelity_metrics(files: dict) -> dict:
     ref = data[ref_key]
 
     def compare(x, y) -> dict:
-        res = {"logits_cos": _cos(x["logits"], y["logits"]), "logits_maxabs": _maxabs(x["logits"], y["logits"]),
-               "loss_absdiff": abs(x["loss"] - y["loss"])}
+        res = {
+            "logits_cos": _cos(x["logits"], y["logits"]),
+            "logits_maxabs": _maxabs(x["logits"], y["logits"]),
+            "loss_absdiff": abs(x["loss"] - y["loss"]),
+        }
         for kind in ("lora_A", "lora_B", "magnitude"):
             if x["grads"][kind].numel() and x["grads"][kind].shape == y["grads"][kind].shape:
                 res[f"grad_cos_{kind}"] = _cos(x["grads"][kind], y["grads"][kind])
@@ -481,6 +535,25 @@ def headline_values(doc: dict) -> dict:
     for key, impl in (("ours", "ours_fused"), ("upstream", "upstream"), ("lora", "lora")):
         peak = v(impl, "autocast", "train", "peak_delta_mb")
         out[f"peak_delta_mb_{key}_autocast"] = None if peak is None else round(peak, 1)
+    for impl, suffix in (("ours_fused", ""), ("ours_fused_reuse", "_norm_cache")):
+        calls = v(impl, "autocast", "step_accum4", "norm_calls_per_optimizer_step")
+        out["norm_calls_per_optimizer_step" + suffix] = calls
+        out["dora_over_lora_decode" + suffix] = ratio(
+            v(impl, "autocast", "decode_per_token"), v("lora", "autocast", "decode_per_token")
+        )
+    out["dora_over_lora_decode_bf16"] = ratio(
+        v("ours_fused", "bf16", "decode_per_token"), v("lora", "bf16", "decode_per_token")
+    )
+    for measure in ("train", "infer"):
+        out[f"dora_over_lora_{measure}_autocast_norm_cache"] = ratio(
+            v("ours_fused_reuse", "autocast", measure), v("lora", "autocast", measure)
+        )
+    peak_ours, peak_lora = (
+        v("ours_fused", "autocast", "train", "peak_delta_mb"),
+        v("lora", "autocast", "train", "peak_delta_mb"),
+    )
+    if peak_ours and peak_lora:
+        out["peak_delta_over_lora_pct_autocast"] = round(100 * (peak_ours / peak_lora - 1), 2)
     modes = doc.get("fidelity", {}).get("metrics", {}).get("modes", {})
     out["logits_cos_gap_vs_upstream"] = modes.get("autocast", {}).get("logits_cos_gap_vs_upstream")
     out["logits_cos_gap_vs_upstream_bf16"] = modes.get("bf16", {}).get("logits_cos_gap_vs_upstream")
@@ -517,8 +590,16 @@ def environment(device: str, worker_env: dict) -> dict:
     }
     if device.startswith("cuda"):
         try:
-            q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
+            q = (
+                subprocess.run(
+                    ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                .stdout.strip()
+                .splitlines()[0]
+            )
             env["gpu"], env["driver"] = [x.strip() for x in q.split(",")]
         except (OSError, subprocess.CalledProcessError, IndexError):
             pass
@@ -612,6 +693,9 @@ def write_doc(doc: dict, path: Path) -> None:
     tmp.replace(path)
 
 
+SUMMARY_MEASURES = ("train", "train_accum4", "step_accum4", "infer", "decode_per_token", "decode_per_token_cached")
+
+
 def print_summary(doc: dict) -> None:
     rank = doc["config"]["headline_rank"]
     print(f"\n== {doc['kind']} on {doc['env'].get('gpu')}: median ms (peak delta MB) ==")
@@ -619,7 +703,7 @@ def print_summary(doc: dict) -> None:
         for r in sorted({r["rank"] for r in doc["speed"]}):
             for impl in IMPLS:
                 cells = []
-                for m in ("train", "train_accum4", "infer", "decode_per_token", "decode_per_token_cached"):
+                for m in SUMMARY_MEASURES:
                     t = speed_value(doc, impl, mode, m, r)
                     p = speed_value(doc, impl, mode, m, r, "peak_delta_mb")
                     if t is not None:
@@ -683,8 +767,9 @@ def run(args, argv) -> int:
         return 0
     if args.device.startswith("cuda") is False and not args.tiny:
         print("warning: a full-size run off the GPU will take very long")
-    out_dir = Path(args.out_dir) if args.out_dir else (
-        RESULTS if cfg["device"].startswith("cuda") else RESULTS / "cpu_smoke")
+    out_dir = (
+        Path(args.out_dir) if args.out_dir else (RESULTS if cfg["device"].startswith("cuda") else RESULTS / "cpu_smoke")
+    )
     out_path = out_dir / (args.out or f"model_{cfg['preset']}{'_tiny' if cfg['tiny'] else ''}.json")
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

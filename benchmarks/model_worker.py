@@ -28,7 +28,7 @@ import torch
 
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-MEASURES = ("train", "train_accum4", "infer", "prefill", "generate", "decode_per_token")
+MEASURES = ("train", "train_accum4", "step_accum4", "infer", "prefill", "generate", "decode_per_token")
 ACCUM_STEPS = 4
 
 
@@ -266,6 +266,26 @@ def speed_rank(model, cfg, mode, device, measures, warmup, repeats) -> dict:
     if "train_accum4" in measures:
         results["train_accum4"] = measure(train_accum, device, max(1, warmup - 1), repeats, before=zero)
     zero()
+    if "step_accum4" in measures:
+        # A whole optimizer step: 4 micro-steps with checkpointing, then AdamW, which changes A, B and m in place;
+        # the norm computations it counts are the ones an optimizer step really costs.
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-6, foreach=True)
+
+        def optimizer_step():
+            train_accum()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        res = measure(optimizer_step, device, max(1, warmup - 1), repeats)
+        res["dora_modules"] = sum(1 for m in model.modules() if getattr(m, "lora_magnitude_vector", None))
+        computed = res["tiers"].get("norm_computed")
+        res["norm_calls_per_optimizer_step"] = (
+            None if computed is None or not res["dora_modules"] else computed / (repeats * res["dora_modules"])
+        )
+        results["step_accum4"] = res
+        del optimizer, params
+        zero()
     release()
 
     model.eval()

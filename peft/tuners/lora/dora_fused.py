@@ -38,6 +38,8 @@ import os
 
 import torch
 
+from .dora_cache import _epoch as _norm_epoch
+
 
 __all__ = [
     "FusedDoRAComposeFunction",
@@ -130,16 +132,18 @@ if _HAS_TRITON:
 
     @triton.jit
     def _backward_kernel(
-        d_out_ptr, inner_ptr, g_ptr, norm_ptr, d_lora_ptr, d_base_ptr, partial_ptr,
+        d_out_ptr, inner_ptr, g_ptr, norm_ptr, bias_ptr, d_lora_ptr, d_base_ptr, partial_ptr,
         n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, stride_d_lora, stride_d_base, scale, eps,
         NEED_LORA: tl.constexpr, NEED_BASE: tl.constexpr, NEED_MAG: tl.constexpr, ONE_PASS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        FROM_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         """d_lora = g·(s·d_out), d_base = (g - 1)·d_out, and stage one of d_g: this program's column sums of
         inner·d_out over its ``rows_per_program`` rows, written to row ``pid // n_col_blocks`` of ``partial``.
         ONE_PASS gives the gradients of the one-pass output: ``g_ptr`` holds m and g = m / max(w_norm, eps) is formed
         here, and d_base is that of ``result``, g·d_out (result enters once directly and once through base).
-        A fixed tile order and a fixed in-register tree make the partial sums bitwise repeatable (no atomics)."""
+        FROM_OUTPUT: ``inner_ptr`` holds the output y = bias + g·inner, and the sums are of (y - bias)·d_out (the
+        column sum then divides by m). A fixed tile order and a fixed in-register tree make the partial sums bitwise
+        repeatable (no atomics)."""
         pid = tl.program_id(0).to(tl.int64)
         n_col_blocks = tl.cdiv(n_cols, BLOCK_N)
         band = pid // n_col_blocks
@@ -149,6 +153,8 @@ if _HAS_TRITON:
             g = _magnitude_scale(g_ptr, norm_ptr, cols, col_mask, eps)[None, :]
         else:
             g = tl.load(g_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         row_start = band * rows_per_program
         for step in range(0, rows_per_program, BLOCK_M):
@@ -166,6 +172,8 @@ if _HAS_TRITON:
                 tl.store(_at(d_base_ptr, rows, cols, stride_d_base), d_base.to(d_base_ptr.dtype.element_ty), mask=mask)
             if NEED_MAG:
                 inner = tl.load(_at(inner_ptr, rows, cols, stride_inner), mask=mask, other=0.0).to(tl.float32)
+                if FROM_OUTPUT and HAS_BIAS:
+                    inner = tl.where(mask, inner - bias, 0.0)
                 acc += inner * d_out
         if NEED_MAG:
             tl.store(partial_ptr + band * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
@@ -173,10 +181,12 @@ if _HAS_TRITON:
     @triton.jit
     def _column_sum_kernel(
         partial_ptr, out_ptr, norm_ptr, n_parts, n_cols, eps,
-        DIV_NORM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        DIVIDE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        """Stage two of d_g: out[c] = sum_p partial[p, c], in a fixed order, cast to the output's dtype. With
-        DIV_NORM the sum is d_g and out is d_m = d_g / max(w_norm, eps) (g = m / max(w_norm, eps), w_norm constant)."""
+        """Stage two of d_g: out[c] = sum_p partial[p, c], in a fixed order, cast to the output's dtype.
+        DIVIDE 1: the sum is d_g and out is d_m = d_g / max(w_norm, eps) (g = m / max(w_norm, eps), w_norm constant;
+        ``norm_ptr`` holds w_norm). DIVIDE 2: the sum is g·d_g (sums of (y - bias)·d_out) and d_m = sum / m, 0 where
+        m is 0 (``norm_ptr`` holds m; the caller saves the output only when m has no zero)."""
         pid = tl.program_id(0).to(tl.int64)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
@@ -186,9 +196,12 @@ if _HAS_TRITON:
             mask = (parts[:, None] < n_parts) & col_mask[None, :]
             acc += tl.load(_at(partial_ptr, parts, cols, n_cols), mask=mask, other=0.0)
         total = tl.sum(acc, axis=0)
-        if DIV_NORM:
+        if DIVIDE == 1:
             norm = tl.load(norm_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
             total = tl.div_rn(total, tl.where(norm < eps, eps, norm))
+        elif DIVIDE == 2:
+            mag = tl.load(norm_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
+            total = tl.where(mag == 0.0, 0.0, tl.div_rn(total, tl.where(mag == 0.0, 1.0, mag)))
         tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
     @triton.jit
@@ -340,11 +353,13 @@ def _compose_triton(lora, base, g, scale, out, inner=None, strides=None):
 
 
 def _backward_triton(
-    d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad, strides=None, norm=None, eps=0.0
-):
+    d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad, strides=None, norm=None, eps=0.0,
+    bias=None, from_output=False,
+):  # fmt: skip
     """Gradients of the composition. With ``norm`` given, ``g`` is the magnitude m (g = m / max(norm, eps) is formed
     in the kernel), the base gradient is that of ``result`` in the one-pass output (g·d_out) and the magnitude
-    gradient is d_m rather than d_g."""
+    gradient is d_m rather than d_g; with ``from_output`` too, ``inner`` is the output y and d_m comes from
+    (y - bias)·d_out."""
     stride_d_out, stride_inner = strides or (_row_stride(d_out), _row_stride(inner if needs_mag_grad else d_out))
     n_cols = d_out.shape[-1]
     n_rows = d_out.numel() // n_cols
@@ -357,18 +372,20 @@ def _backward_triton(
     bands = triton.cdiv(n_rows, rows_per_program)
     partial = torch.empty((bands, n_cols), dtype=torch.float32, device=d_out.device) if needs_mag_grad else d_out
     from_mag = norm is not None
+    from_output = from_mag and from_output and needs_mag_grad
     _backward_kernel[(bands * n_col_blocks,)](
-        d_out, inner if needs_mag_grad else d_out, g, norm if from_mag else g, d_lora if needs_lora_grad else d_out,
-        d_base if needs_base_grad else d_out, partial,
+        d_out, inner if needs_mag_grad else d_out, g, norm if from_mag else g, g if bias is None else bias,
+        d_lora if needs_lora_grad else d_out, d_base if needs_base_grad else d_out, partial,
         n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, n_cols, n_cols, float(scale), float(eps),
         NEED_LORA=needs_lora_grad, NEED_BASE=needs_base_grad, NEED_MAG=needs_mag_grad, ONE_PASS=from_mag,
+        FROM_OUTPUT=from_output, HAS_BIAS=from_output and bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     if needs_mag_grad:
         # 8 × 256 fp32 per step: the buffer has at most a few thousand rows, so this pass costs microseconds.
         _column_sum_kernel[(triton.cdiv(n_cols, 256),)](
-            partial, d_mag, norm if from_mag else partial, bands, n_cols, float(eps),
-            DIV_NORM=from_mag, BLOCK_P=8, BLOCK_N=256,
+            partial, d_mag, g if from_output else (norm if from_mag else partial), bands, n_cols, float(eps),
+            DIVIDE=2 if from_output else int(from_mag), BLOCK_P=8, BLOCK_N=256,
         )  # fmt: skip
     return d_lora, d_base, d_mag
 
@@ -469,9 +486,13 @@ def _output_torch(
     return result + _compose_torch(lora, base, g, scale)
 
 
-def _output_backward_torch(d_out, inner, magnitude, weight_norm, scale, eps, needs_result, needs_lora, needs_mag):
+def _output_backward_torch(
+    d_out, inner, magnitude, weight_norm, scale, eps, needs_result, needs_lora, needs_mag, bias=None,
+    from_output=False,
+):  # fmt: skip
     """Gradients of the one-pass output for layouts the kernel leaves alone, in the kernel's precision (fp32 products
-    rounded once): d_result = g·d_out, d_lora = g·(s·d_out), d_m = sum(inner·d_out) / max(w_norm, eps)."""
+    rounded once): d_result = g·d_out, d_lora = g·(s·d_out), d_m = sum(inner·d_out) / max(w_norm, eps); with
+    ``from_output``, ``inner`` is the output y and d_m = sum((y - bias)·d_out) / m (0 where m is 0)."""
     acc = torch.promote_types(d_out.dtype, torch.float32)
     denom = weight_norm.to(acc).clamp_min(eps)
     g = magnitude.to(acc) / denom
@@ -479,7 +500,12 @@ def _output_backward_torch(d_out, inner, magnitude, weight_norm, scale, eps, nee
     d_result = (g * d).to(d_out.dtype) if needs_result else None
     d_lora = (g * (scale * d)).to(d_out.dtype) if needs_lora else None
     d_mag = None
-    if needs_mag:
+    if needs_mag and from_output:
+        values = inner.to(acc) if bias is None else inner.to(acc) - bias.to(acc)
+        mag = magnitude.to(acc)
+        total = (values * d).sum_to_size(magnitude.shape)
+        d_mag = torch.where(mag == 0, 0.0, total / torch.where(mag == 0, 1.0, mag)).to(magnitude.dtype)
+    elif needs_mag:
         d_mag = ((inner.to(acc) * d).sum_to_size(magnitude.shape) / denom).to(magnitude.dtype)
     return d_result, d_lora, d_mag
 
@@ -526,40 +552,70 @@ class FusedDoRAComposeFunction(torch.autograd.Function):
         return d_lora, d_base, d_mag, None
 
 
+def _output_saves_itself(magnitude: torch.Tensor) -> bool:
+    """Whether the one-pass output's backward can take ``inner`` from the output itself: ``y - bias = g·inner``
+    recovers it wherever g ≠ 0, i.e. wherever m ≠ 0.
+
+    Saving y instead of a separate ``inner`` buffer costs nothing where the next op saves y anyway (the MLP's gate
+    and up projections feed SiLU and a product, attention's value projection feeds SDPA) and the same memory
+    elsewhere. A magnitude with an exact zero keeps the ``inner`` buffer. The zero test is a host sync, so it runs
+    once per value of m: keyed on m's storage, version counter and the optimizer-step/merge epoch (an optimizer step
+    changes m once, then every micro-step and checkpoint recompute reuses the answer). During CUDA-graph capture,
+    where a sync is not allowed, the buffer is kept.
+    """
+    if magnitude.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    key = (magnitude.data_ptr(), magnitude._version, _norm_epoch[0])
+    known = getattr(magnitude, "_dora_no_zero", None)
+    if known is not None and known[0] == key:
+        return known[1]
+    no_zero = bool(torch.count_nonzero(magnitude) == magnitude.numel())
+    magnitude._dora_no_zero = (key, no_zero)
+    return no_zero
+
+
 class FusedDoRAOutputFunction(torch.autograd.Function):
     """The whole DoRA tail of a Linear in one autograd node: ``y = result + ((g - 1)·base + g·(s·lora))`` with
     ``base = result - bias`` and ``g = m / max(w_norm, eps)`` formed in the kernel (the norm is a constant).
 
-    ``y`` is written into ``lora``'s buffer (marked dirty), so the output costs no allocation; ``inner = s·lora +
-    base`` is saved only when ``m`` needs a gradient. The backward is one pass for ``d_result = g·d_y``,
-    ``d_lora = g·s·d_y`` and the partial sums of ``d_m``, plus a small deterministic column sum.
+    ``y`` is written into ``lora``'s buffer (marked dirty), so the output costs no allocation. For ``d_m`` the
+    backward needs ``inner = s·lora + base``: it is read back from ``y`` itself (``(y - bias) / g``, see
+    :func:`_output_saves_itself`), or, where m has an exact zero, saved in a buffer of its own. The backward is one
+    pass for ``d_result = g·d_y``, ``d_lora = g·s·d_y`` and the partial sums of ``d_m``, plus a small deterministic
+    column sum.
     """
 
     @staticmethod
     def forward(ctx, result, lora, magnitude, weight_norm, bias, scale, eps, strides):
         """``strides``: :func:`_output_layout` of these tensors, which the caller has checked is not None."""
-        inner = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device) if ctx.needs_input_grad[2] else None
+        needs_mag = ctx.needs_input_grad[2]
+        from_output = needs_mag and _output_saves_itself(magnitude)
+        inner = None
+        if needs_mag and not from_output:
+            inner = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device)
         if lora.numel() > 0:
             _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, inner, strides)
         ctx.mark_dirty(lora)
-        ctx.save_for_backward(inner, magnitude, weight_norm)
-        ctx.scale, ctx.eps = scale, eps
+        ctx.save_for_backward(lora if from_output else inner, magnitude, weight_norm, bias)
+        ctx.scale, ctx.eps, ctx.from_output = scale, eps, from_output
         return lora
 
     @staticmethod
     def backward(ctx, d_y):
-        inner, magnitude, weight_norm = ctx.saved_tensors
+        inner, magnitude, weight_norm, bias = ctx.saved_tensors
         needs_result, needs_lora, needs_mag = ctx.needs_input_grad[:3]
         if not (needs_result or needs_lora or needs_mag):
             return None, None, None, None, None, None, None, None
         layout = _layout(d_y, inner if needs_mag else d_y, magnitude) if kernels_available(d_y) else None
+        needs = (needs_result, needs_lora, needs_mag)
         if layout is not None and d_y.numel() > 0:
             d_lora, d_result, d_mag = _backward_triton(
-                d_y, inner, magnitude, ctx.scale, needs_lora, needs_result, needs_mag, layout, weight_norm, ctx.eps
-            )
+                d_y, inner, magnitude, ctx.scale, needs_lora, needs_result, needs_mag, layout, weight_norm, ctx.eps,
+                bias, ctx.from_output,
+            )  # fmt: skip
         else:
             d_result, d_lora, d_mag = _output_backward_torch(
-                d_y, inner, magnitude, weight_norm, ctx.scale, ctx.eps, needs_result, needs_lora, needs_mag
+                d_y, inner, magnitude, weight_norm, ctx.scale, ctx.eps, *needs, bias, ctx.from_output
             )
         return d_result, d_lora, d_mag, None, None, None, None, None
 

@@ -245,3 +245,63 @@ def test_model_takes_the_one_pass_output_in_both_tiers(dora_env):
     assert_close(infer, infer_e)
     for name in grads:
         assert_close(grads[name], grads_e[name], scale=10)
+
+
+def _saved_activation_ptrs(fn, shape):
+    """data_ptrs of the activation-sized tensors autograd saves while ``fn`` runs."""
+    ptrs = []
+
+    def pack(t):
+        if tuple(t.shape) == shape:
+            ptrs.append(t.data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, ptrs
+
+
+@pytest.mark.parametrize("bias", (False, True))
+def test_output_saves_itself_for_d_mag(bias):
+    """With no zero in m the backward reads inner back from y (no second activation-sized buffer is saved) and d_m
+    still matches fp64; an in-place edit of y afterwards is refused by autograd, not silently wrong."""
+    result, lora, b, magnitude, norm = _output_inputs(37, 130, torch.bfloat16, seed=9, bias=bias)
+    d_y = torch.randn(37, 130).to(torch.bfloat16)
+    want = _output_fp64(result, lora, b, magnitude, norm, d_y)
+    m = magnitude.clone().requires_grad_()
+    r = result.clone().requires_grad_()
+    y, saved = _saved_activation_ptrs(
+        lambda: F.fused_dora_output(r * 1, lora.clone(), m, norm, SCALE, EPS, bias=b), (37, 130)
+    )
+    assert saved == [y.data_ptr()]
+    y.backward(d_y)
+    assert_close(m.grad, want[3].float(), dtype=torch.bfloat16, scale=37**0.5)
+    assert_close(r.grad, want[1].to(torch.bfloat16), dtype=torch.bfloat16)
+    y2 = F.fused_dora_output(r * 1, lora.clone(), m, norm, SCALE, EPS, bias=b)
+    y2.mul_(2)
+    with pytest.raises(RuntimeError, match="inplace operation"):
+        y2.backward(d_y)
+
+
+def test_output_with_a_zero_magnitude_keeps_inner():
+    """m_j = 0 makes y_j = bias_j, so inner cannot be read back: a separate buffer is saved and d_m_j is exact. The
+    zero test reruns when m changes (its version counter), so zeroing m in place switches the path."""
+    result, lora, b, magnitude, norm = _output_inputs(23, 130, torch.float32, seed=10, bias=True)
+    d_y = torch.randn(23, 130)
+    m = magnitude.clone().requires_grad_()
+    y, saved = _saved_activation_ptrs(
+        lambda: F.fused_dora_output(result, lora.clone(), m, norm, SCALE, EPS, bias=b), (23, 130)
+    )
+    assert saved == [y.data_ptr()] and m._dora_no_zero[1]
+    with torch.no_grad():
+        m[3] = 0.0
+    zeroed = m.detach().clone()
+    y, saved = _saved_activation_ptrs(
+        lambda: F.fused_dora_output(result, lora.clone(), m, norm, SCALE, EPS, bias=b), (23, 130)
+    )
+    assert len(saved) == 1 and saved[0] != y.data_ptr() and not m._dora_no_zero[1]
+    m.grad = None
+    y.backward(d_y)
+    want = _output_fp64(result, lora, b, zeroed, norm, d_y)
+    assert want[3][3].abs() > 1e-3  # the zeroed row still has a gradient, and it is found
+    assert_close(m.grad, want[3].float(), scale=23**0.5)
