@@ -185,15 +185,23 @@ def _acc_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(weight.dtype, torch.float32)
 
 
-def _matmul_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+def _matmul_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, split: bool = False) -> torch.Tensor:
     """a @ b accumulated and returned in ``acc``.
 
     On CUDA, half-precision ``a`` stays in its dtype and runs on the tensor cores with an fp32 output (no fp32 copy
-    of the weight chunk); everywhere else both operands are upcast.
+    of the weight chunk); everywhere else both operands are upcast. ``b`` is rounded to ``a``'s dtype there, unless
+    ``split`` (``b`` holds values wider than ``a``'s dtype, e.g. fp32 adapters on a bf16 weight): then it goes in as
+    a hi and a lo half-precision part side by side, one GEMM of twice the columns. Rounding fp32 ``A`` to bf16 for
+    ``W·Aᵀ`` measured up to 1.1e-5 relative error in the norm on the H200 (‖s·B·A‖ = 0.1‖W‖), above the 1e-5
+    contract; with the split, ≤ 1.6e-7.
     """
-    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16):
+    if not (a.is_cuda and a.dtype in (torch.float16, torch.bfloat16)):
+        return a.to(acc) @ b.to(acc)
+    if not split:
         return torch.mm(a, b.to(a.dtype), out_dtype=acc)
-    return a.to(acc) @ b.to(acc)
+    n = b.shape[1]
+    out = torch.mm(a, _hi_lo(b, a.dtype, 1), out_dtype=acc)  # [a·b_hi | a·b_lo]
+    return out[:, :n].add_(out[:, n:])
 
 
 @torch.no_grad()
@@ -246,11 +254,9 @@ def factored_row_norm(
     with torch.autocast(device_type=device.type, enabled=False):
         if scale == 0.0:
             return (row_sq_norm(weight, budget) if w_sq is None else w_sq).sqrt()
-        if _split_products_apply(weight, lora_A, lora_B):
-            if w_sq is None:
-                w_sq = row_sq_norm(weight, budget)
-            return (w_sq + _split_cross_and_gram(weight, lora_A, lora_B, scale, budget)).clamp_min_(0).sqrt_()
         own_w_sq = w_sq is None
+        # fp32 (or wider) adapters on a half weight: A keeps its precision in W·Aᵀ (see _matmul_acc)
+        split = torch.finfo(lora_A.dtype).bits > torch.finfo(weight.dtype).bits
         b_acc = lora_B.to(device=device, dtype=acc)
         u = gram = None
         for c in range(0, max(d_in, 1), cs):  # one (empty) chunk for d_in == 0, so every sum exists
@@ -259,22 +265,11 @@ def factored_row_norm(
             if own_w_sq:
                 w_sq = _accumulate(w_sq, torch.linalg.vector_norm(w_c, dim=1, dtype=acc).square())
             gram = _accumulate(gram, a_c @ a_c.T)
-            u = _accumulate(u, _matmul_acc(w_c, a_c.T, acc))
+            u = _accumulate(u, _matmul_acc(w_c, a_c.T, acc, split))
         # 2s·cross + s²·ba_sq = rowsum(B ⊙ (2s·U + s²·B·G)): one GEMM and one row-wise dot instead of two of each.
         # Launches, not flops, decide the norm's cost on real models (host-bound), so fewer ops is the point.
         t = (b_acc * torch.addmm(u, b_acc, gram, beta=2.0 * scale, alpha=scale * scale)).sum(dim=1)
         return (w_sq + t).clamp_min_(0).sqrt_()  # clamp_min keeps NaN
-
-
-def _split_products_apply(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
-    """A half weight on CUDA with wider (fp32) adapters: PEFT's autocast default."""
-    return (
-        weight.is_cuda
-        and weight.dtype in (torch.bfloat16, torch.float16)
-        and lora_A.dtype == lora_B.dtype == torch.float32
-        and lora_A.device == lora_B.device == weight.device
-        and lora_A.numel() > 0
-    )
 
 
 def _hi_lo(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
@@ -288,40 +283,15 @@ def _hi_lo(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
     return out
 
 
-def _split_cross_and_gram(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float, budget: int):
-    """``2s·<W_j, (B·A)_j> + s²·||(B·A)_j||²`` per row, fp32, for a half ``W`` with fp32 ``A``/``B``.
-
-    ``U = W·Aᵀ``, the only product with ``W``'s size, runs on the tensor cores against ``[A_hi; A_lo]`` (``A`` split
-    in two half-precision parts, ~16 mantissa bits together) with fp32 accumulation and output: one GEMM of twice
-    the bf16 flops, no fp32 copy of ``W``. Rounding ``A`` to the weight dtype instead measured up to 1.1e-5 relative
-    error in the norm on the H200 (‖s·B·A‖ = 0.1‖W‖), above the 1e-5 contract. The small products (the Gram
-    ``A·Aᵀ`` and ``B·G``) stay fp32 as in the general path: their rounding per rank index is systematic, and doing
-    them as bf16 hi/lo parts took ten more launches per module, which decode (launch-bound) paid for. The split
-    copies of ``A`` go in column chunks of ``budget`` bytes.
-    """
-    r, d_in = lora_A.shape
-    cs = max(64, budget // (4 * r))  # a [2r, cs] half chunk of A takes 4·r·cs bytes
-    cs = min(d_in, cs - cs % 64)
-    u2 = gram = None
-    for c in range(0, d_in, cs):
-        a_c = lora_A[:, c : c + cs]
-        a_hl = _hi_lo(a_c, weight.dtype, 0)  # [2r, cs]
-        u2 = _accumulate(u2, torch.mm(weight[:, c : c + cs], a_hl.T, out_dtype=torch.float32))  # [W·A_hiᵀ | W·A_loᵀ]
-        gram = _accumulate(gram, a_c @ a_c.T)
-    u = u2[:, :r].add_(u2[:, r:])
-    # rowsum(B ⊙ (2s·U + s²·B·G)), as in factored_row_norm
-    return (lora_B * torch.addmm(u, lora_B, gram, beta=2.0 * scale, alpha=scale * scale)).sum(dim=1)
-
-
 def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
     """Whether the one-pass Triton norm (``dora_norm_triton``) computes this norm instead of the PyTorch form below.
 
     Auto (PEFT_DORA_NORM_KERNEL unset): for a half weight with adapters of the same half dtype, where it is both
     faster and more precise on the H200 (bf16 layer of seven Llama projections: 1.2 vs 1.8 ms GPU time per decode
     step, two launches instead of ten, 1.6e-7 vs 1e-5 relative error). With fp32 adapters (PEFT's autocast default)
-    its bf16 hi/lo products are precise (1.6e-7 vs 1.1e-5) but took 6.4 vs 1.7 ms there, so the PyTorch form stays
-    the default; PEFT_DORA_NORM_KERNEL=1 takes the kernel wherever it runs, 0 never, and PEFT_DORA_FUSED=0 turns
-    it off with the other kernels.
+    both are precise (the PyTorch form splits A, see ``_matmul_acc``), and the kernel's three bf16 hi/lo products
+    took ~4x the PyTorch form's time at r = 384, so the PyTorch form stays the default; PEFT_DORA_NORM_KERNEL=1
+    takes the kernel wherever it runs, 0 never, and PEFT_DORA_FUSED=0 turns it off with the other kernels.
     """
     env = _env()
     if env.fused is False or env.norm_kernel is False:

@@ -115,13 +115,13 @@ def test_ephemeral_gpu_offload_computes_on_gpu_and_keeps_magnitude_on_cpu():
 )
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16])
 def test_autocast_norm_fp32_adapters_within_1e5(d_out, d_in, r, w_dtype, dora_env):
-    """PEFT's autocast default (half W, fp32 A and B) through the PyTorch norm: hi/lo tensor-core products keep the
-    norm within 1e-5 of fp64 for realistic adapters (‖s·B·A‖ = 0.1‖W‖); rounding A alone measured up to 1.1e-5."""
+    """PEFT's autocast default (half W, fp32 A and B) through the PyTorch norm: W·Aᵀ against A's hi/lo parts keeps
+    the norm within 1e-5 of fp64 for realistic adapters (‖s·B·A‖ = 0.1‖W‖); rounding A alone measured up to 1.1e-5."""
     from test_dora_norm_triton_gpu import SCALE, _adapter, _max_rel, _reference
 
     dora_env("PEFT_DORA_NORM_KERNEL", "0")
     weight, lora_A, lora_B = _adapter(d_out, d_in, r, w_dtype, torch.float32, ratio=0.1, seed=5)
-    assert dora._split_products_apply(weight, lora_A, lora_B)
+    assert not dora._norm_kernel_applies(weight, lora_A, lora_B)  # the PyTorch form, with A split in W·Aᵀ
     rel = _max_rel(dora.factored_row_norm(weight, lora_A, lora_B, SCALE), _reference(weight, lora_A, lora_B, SCALE))
     print(f"autocast norm {w_dtype} {d_out}x{d_in} r={r}: max rel err {rel:.3e}")
     assert rel <= 1e-5, rel
