@@ -485,9 +485,12 @@ def _annotate(model) -> None:
         cls = getattr(dora, cls_name, None)
         if cls is not None and not getattr(cls, "_bench_ranged", False):
             cls.get_weight_norm = ranged("dora.norm", cls.get_weight_norm)
+            if hasattr(cls, "_small_output"):
+                cls._small_output = ranged("dora.compose", cls._small_output)
             cls._bench_ranged = True
-    if hasattr(dora, "_compose_with_dispatch"):
-        dora._compose_with_dispatch = ranged("dora.compose", dora._compose_with_dispatch)
+    for fn_name in ("_compose_with_dispatch", "_output_with_dispatch"):  # the eager/compose and one-pass outputs
+        if hasattr(dora, fn_name):
+            setattr(dora, fn_name, ranged("dora.compose", getattr(dora, fn_name)))
     for module in model.modules():
         if hasattr(module, "lora_A") and "default" in module.lora_A:
             for key, label in (("lora_A", "lora.A"), ("lora_B", "lora.B")):
@@ -496,9 +499,8 @@ def _annotate(model) -> None:
 
 
 def task_profile(spec, impl, cfg, device) -> dict:
-    """torch.profiler over one training step: top kernels and the time inside each annotated DoRA component."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """torch.profiler over one training step and one inference forward: the kernels' time by class, the top kernels
+    and the time inside each annotated DoRA component."""
     prof_spec = spec["profile"]
     mode = prof_spec["mode"]
     base = build_base(cfg, device, torch.bfloat16)
@@ -507,7 +509,6 @@ def task_profile(spec, impl, cfg, device) -> dict:
     seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
     _annotate(model)
     ids, labels = make_inputs(cfg, device)
-    model.train()
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -515,15 +516,33 @@ def task_profile(spec, impl, cfg, device) -> dict:
             loss = model(input_ids=ids, labels=labels, use_cache=False).loss
         loss.backward()
 
+    @torch.no_grad()
+    def infer():
+        with precision_ctx(mode, device):
+            model(input_ids=ids, use_cache=False)
+
+    out = {"mode": mode, "rank": prof_spec["rank"]}
+    model.train()
+    out["train"] = _profile(step, device, prof_spec["top"])
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    out["infer"] = _profile(infer, device, prof_spec["top"])
+    return out
+
+
+def _profile(fn, device, top: int) -> dict:
+    """Two warm-up calls of ``fn``, then one under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
     for _ in range(2):
-        step()
+        fn()
     counts0 = tier_counts()
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize()
     with profile(activities=activities) as prof:
-        step()
+        fn()
         if cuda:
             torch.cuda.synchronize()
 
@@ -563,14 +582,12 @@ def task_profile(spec, impl, cfg, device) -> dict:
     for k in kernels:
         classes[kernel_class(k["name"])] = classes.get(kernel_class(k["name"]), 0.0) + k["ms"]
     return {
-        "mode": mode,
-        "rank": prof_spec["rank"],
         "time_basis": "cuda kernel time" if cuda else "cpu op time (cpu smoke run)",
         "total_ms": total_ms,
         "components_forward_ms": components,
         "component_calls": calls,
         "by_kernel_class_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
-        "top_kernels": kernels[: prof_spec["top"]],
+        "top_kernels": kernels[:top],
         "tiers": _delta(counts0, tier_counts()),
     }
 

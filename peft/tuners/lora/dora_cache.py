@@ -98,16 +98,16 @@ class Memo:
 
     @staticmethod
     def _key(tensors, extra) -> tuple:
-        return (_epoch[0], extra) + tuple(
-            (t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors
-        )
+        return (_epoch[0], extra, [(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors])
 
     def get(self, tensors, extra=()) -> Optional[torch.Tensor]:
-        if self.value is None or len(self.refs) != len(tensors):
+        refs = self.refs
+        if self.value is None or len(refs) != len(tensors):
             return None
-        if any(ref() is not t for ref, t in zip(self.refs, tensors)) or self._key(tensors, extra) != self.key:
-            return None
-        return self.value
+        for ref, t in zip(refs, tensors):
+            if ref() is not t:
+                return None
+        return self.value if self._key(tensors, extra) == self.key else None
 
     def put(self, tensors, value: torch.Tensor, extra=()) -> torch.Tensor:
         self.refs, self.key, self.value = tuple(weakref.ref(t) for t in tensors), self._key(tensors, extra), value
@@ -128,15 +128,21 @@ def memoised(memo: Memo, mode: Optional[str], what: str, sources, compute, extra
     """
     if torch.compiler.is_compiling():
         return compute()  # a traced graph has no storage to identify, and counters would be side effects
-    if mode is None or not identity_tracked(sources):
-        norm_counts[what + "_computed"] += 1
-        return compute()
-    if mode == "any" or torch._C._current_graph_task_id() != -1:
-        hit = memo.get(sources, extra)
-        if hit is not None:
+    keep = mode is not None and not capturing(sources)
+    if keep and (mode == "any" or torch._C._current_graph_task_id() != -1):
+        hit = memo.get(sources, extra)  # only values of identity-tracked sources are ever put
+        # an inference tensor must not reach a forward that autograd records: reused only in inference mode
+        if hit is not None and (not hit.is_inference() or torch.is_inference_mode_enabled()):
             norm_counts[what + "_reused"] += 1
             return hit
     norm_counts[what + "_computed"] += 1
-    if torch.is_inference_mode_enabled():
-        return compute()  # an inference tensor must not reach a later forward that autograd records
-    return memo.put(sources, compute(), extra)
+    value = compute()
+    if keep and identity_tracked(sources):
+        memo.put(sources, value, extra)
+    return value
+
+
+def capturing(sources) -> bool:
+    """Whether a CUDA graph is being captured on the current stream. A capture computes afresh: its replays must
+    follow later in-place updates of the factors, as eager forwards do."""
+    return sources[0].is_cuda and torch.cuda.is_current_stream_capturing()

@@ -305,3 +305,52 @@ def test_output_with_a_zero_magnitude_keeps_inner():
     want = _output_fp64(result, lora, b, zeroed, norm, d_y)
     assert want[3][3].abs() > 1e-3  # the zeroed row still has a gradient, and it is found
     assert_close(m.grad, want[3].float(), scale=23**0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_small_eval_forward_reuses_its_factors(dora_env, monkeypatch, dtype):
+    """Eval without autograd and few rows (decode): two in-place PyTorch ops on the LoRA output with g, g·s and
+    (1 − g)·bias kept from the first forward. Agrees with the eager tier like the kernel does, never goes stale, and
+    steps aside for large inputs, training mode and PEFT_DORA_FUSED=0."""
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import dora
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
+    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
+    peft_model = get_peft_model(model, config).to(dtype).eval()
+    x = torch.randn(2, 3, 24).to(dtype)
+
+    def eager():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PEFT_DORA_FUSED", "0")
+            dora._invalidate_fused_cache()
+            out = peft_model(x)
+        dora._invalidate_fused_cache()
+        return out
+
+    with torch.no_grad():
+        dora.tier_counts.clear(), dora.norm_counts.clear()
+        first = peft_model(x)
+        second = peft_model(x)
+        assert dora.tier_counts == {dora.TIER_SMALL_FORWARD: 4}
+        assert dora.norm_counts["scale_computed"] == 2 and dora.norm_counts["scale_reused"] == 2
+        assert torch.equal(first, second)
+        assert_close(first, eager(), dtype=dtype)
+        for change in (
+            lambda: peft_model.base_model.model[0].lora_B["default"].weight.mul_(1.5),
+            lambda: peft_model.base_model.model[0].base_layer.bias.add_(0.25),
+            lambda: peft_model.base_model.model[2].lora_magnitude_vector["default"].weight.mul_(0.5),
+        ):
+            change()
+            assert_close(peft_model(x), eager(), dtype=dtype)
+        monkeypatch.setattr(dora, "_SMALL_FORWARD_NUMEL", 2 * 3 * 17 - 1)  # x is now "large" for both layers
+        dora.tier_counts.clear()
+        peft_model(x)
+        assert dora.tier_counts[dora.TIER_FUSED_FORWARD] == 2 and dora.tier_counts[dora.TIER_SMALL_FORWARD] == 0
+        peft_model.train()
+        dora.tier_counts.clear()
+        peft_model(x)
+        assert dora.tier_counts == {dora.TIER_FUSED_FORWARD: 2}

@@ -42,3 +42,8 @@ def test_dora_forward_replays_from_a_cuda_graph(dora_env, norm_cache, dtype):
             torch.cuda.synchronize()
             expected = peft_model(x)
             torch.testing.assert_close(static_y, expected, rtol=0, atol=0)
+        # the graph computed its norms afresh: replays follow an in-place update of the factors, as eager does
+        peft_model.base_model.model[0].lora_B["default"].weight.mul_(1.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static_y, peft_model(static_x), rtol=0, atol=0)

@@ -1,6 +1,7 @@
 """Norm reuse: one norm per change of W, A, B or s, never a stale one.
 
-Default (``PEFT_DORA_NORM_CACHE`` unset): a gradient-checkpoint recompute reuses the norm of its own forward.
+Default (``PEFT_DORA_NORM_CACHE`` unset): a gradient-checkpoint recompute reuses the norm of its own forward, and an
+eval-mode forward that autograd does not record through W, A or B reuses it across forwards.
 ``PEFT_DORA_NORM_CACHE=1``: any forward reuses it while the tensors' identity, storage and version counters hold
 and no optimizer step or merge happened. ``0``: never.
 """
@@ -144,10 +145,13 @@ CHANGES = {
 }
 
 
+@pytest.mark.parametrize("mode", ["eval default", "1"])
 @pytest.mark.parametrize("change", list(CHANGES))
-def test_never_stale_across_forwards(norm_cache, change):
-    norm_cache("1")
+def test_never_stale_across_forwards(norm_cache, change, mode):
+    norm_cache("1" if mode == "1" else None)
     model = build("linear", bias=True, dropout=0.0)
+    if mode == "eval default":
+        model.eval()
     x = torch.randn(3, 24)
     with torch.no_grad():
         model(x)
@@ -255,4 +259,81 @@ def test_inference_mode_then_training(norm_cache, mode):
         again = model(x)
     assert_close(again, first, scale=0)
     wrapper(x).sum().backward()  # no inference tensor may leak into the autograd graph
+    assert lin0(model).lora_magnitude_vector["default"].weight.grad is not None
+
+
+def test_default_reuses_in_eval_without_autograd(norm_cache):
+    norm_cache(None)
+    model = build("linear", bias=True, dropout=0.0).eval()
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        expected = model(x)
+        dora.norm_counts.clear()
+        got = model(x)
+    assert dora.norm_counts["norm_reused"] == 2 and dora.norm_counts["norm_computed"] == 0
+    assert dora.norm_counts["scale_reused"] == 2 and dora.norm_counts["scale_computed"] == 0
+    assert_close(got, expected, scale=0)
+    # eval with autograd through trainable A, B (fine-tuning with dropout off): recomputed, as in training
+    dora.norm_counts.clear()
+    model(x).sum().backward()
+    assert dora.norm_counts["norm_reused"] == 0 and dora.norm_counts["norm_computed"] == 2
+    # training mode without autograd (no model.eval()): recomputed
+    model.train()
+    dora.norm_counts.clear()
+    with torch.no_grad():
+        model(x)
+    assert dora.norm_counts["norm_reused"] == 0 and dora.norm_counts["norm_computed"] == 2
+
+
+def test_default_eval_reuse_with_frozen_adapters_and_autograd(norm_cache):
+    # frozen W, A, B (an inference-only adapter) with autograd on for the input: the norm is reused
+    norm_cache(None)
+    model = build("linear", bias=True, dropout=0.0).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(3, 24, requires_grad=True)
+    expected = fresh_output(model, x.detach())
+    model(x)
+    dora.norm_counts.clear()
+    got = model(x)
+    got.sum().backward()
+    assert dora.norm_counts["norm_reused"] == 2 and dora.norm_counts["norm_computed"] == 0
+    assert_close(got.detach(), expected, scale=0)
+    assert x.grad is not None
+
+
+def test_mode_switch_forgets_reused_norms(norm_cache):
+    # a .data write is invisible to version counters; a train()/eval() switch in between still drops the norm
+    for mode in (None, "1"):
+        norm_cache(mode)
+        model = build("linear", bias=True, dropout=0.0).eval()
+        x = torch.randn(3, 24)
+        with torch.no_grad():
+            model(x)
+        model.train()
+        lin0(model).lora_B["default"].weight.data.mul_(2.0)
+        model.eval()
+        with torch.no_grad():
+            got = model(x)
+        assert_close(got, fresh_output(model, x), scale=0)
+
+
+def test_inference_mode_reuses_only_inside_inference_mode(norm_cache):
+    norm_cache(None)
+    model, wrapper = checkpointed_model()
+    model.eval()
+    x = torch.randn(4, 24)
+    with torch.inference_mode():
+        first = model(x)
+        dora.norm_counts.clear()
+        again = model(x)
+    assert dora.norm_counts["norm_reused"] == 2 and dora.norm_counts["norm_computed"] == 0
+    assert_close(again, first, scale=0)
+    with torch.no_grad():
+        dora.norm_counts.clear()
+        model(x)  # outside inference mode, an inference tensor is never handed out
+        assert dora.norm_counts["norm_reused"] == 0 and dora.norm_counts["norm_computed"] == 2
+    model(x).sum().backward()
+    model.train()
+    wrapper(x).sum().backward()
     assert lin0(model).lora_magnitude_vector["default"].weight.grad is not None
