@@ -257,11 +257,11 @@ def factored_row_norm(
         own_w_sq = w_sq is None
         # fp32 (or wider) adapters on a half weight: A keeps its precision in W·Aᵀ (see _matmul_acc)
         split = torch.finfo(lora_A.dtype).bits > torch.finfo(weight.dtype).bits
-        b_acc = lora_B.to(device=device, dtype=acc)
+        b_acc = _as(lora_B, device, acc)
         u = gram = None
         for c in range(0, max(d_in, 1), cs):  # one (empty) chunk for d_in == 0, so every sum exists
-            w_c = weight[:, c : c + cs]
-            a_c = lora_A[:, c : c + cs].to(device=device, dtype=acc)
+            w_c, a_c = (weight, lora_A) if cs >= d_in else (weight[:, c : c + cs], lora_A[:, c : c + cs])
+            a_c = _as(a_c, device, acc)
             if own_w_sq:
                 w_sq = _accumulate(w_sq, torch.linalg.vector_norm(w_c, dim=1, dtype=acc).square())
             gram = _accumulate(gram, a_c @ a_c.T)
@@ -270,6 +270,11 @@ def factored_row_norm(
         # Launches, not flops, decide the norm's cost on real models (host-bound), so fewer ops is the point.
         t = (b_acc * torch.addmm(u, b_acc, gram, beta=2.0 * scale, alpha=scale * scale)).sum(dim=1)
         return (w_sq + t).clamp_min_(0).sqrt_()  # clamp_min keeps NaN
+
+
+def _as(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(device, dtype)``, without the call where it would return ``t`` (host time counts on the hot path)."""
+    return t if t.dtype == dtype and t.device == device else t.to(device=device, dtype=dtype)
 
 
 def _hi_lo(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
@@ -488,7 +493,8 @@ class DoraLinearLayer(nn.Module):
         self.fan_in_fan_out = fan_in_fan_out
         self._dora_cache: dict[str, Any] = {}  # not part of the state_dict
         self.last_tier: Optional[str] = None  # the dispatch tier of the latest forward
-        self._norm_memo, self._w_sq_memo, self._scale_memo, self._small_memo = Memo(), Memo(), Memo(), Memo()
+        self._norm_memo, self._scale_memo, self._small_memo = Memo(), Memo(), Memo()
+        self._w_sq_memo = Memo(frozen=True)  # ||W||² of a frozen base weight outlives optimizer steps
 
     def _cache_store(self, key: str, value: Any) -> None:
         self._dora_cache[key] = value
@@ -530,8 +536,8 @@ class DoraLinearLayer(nn.Module):
     def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
         w_sq = None
         w = transpose(weight, self.fan_in_fan_out)
-        if _reuse_mode(self, (weight,)) == "any" and not _norm_kernel_applies(w, lora_A, lora_B):
-            # a frozen W keeps its ||W||²_row across optimizer steps: only the cross and Gram terms are new
+        if not weight.requires_grad and _env().norm_cache is not False and not _norm_kernel_applies(w, lora_A, lora_B):
+            # a frozen W keeps its ||W||²_row across optimizer steps (they skip it): only cross and Gram are new
             w_sq = memoised(self._w_sq_memo, "any", "w_sq", (weight,), lambda: row_sq_norm(w))
         return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
 

@@ -31,20 +31,27 @@ norm_counts: collections.Counter = collections.Counter()
 """DoRA forwards' weight norms and scales, ``norm_computed``/``norm_reused``, ``scale_computed``/``scale_reused``."""
 
 _epoch = [0]  # bumped by every optimizer step and every merge/unmerge: no norm memo survives either
+_merge_epoch = [0]  # bumped by merges/unmerges only: what can change a frozen weight behind its version counter
 
 
 def _bump_epoch(*_args, **_kwargs) -> None:
     _epoch[0] += 1
 
 
-def invalidate_norm_caches() -> None:
-    """Forget every reused DoRA norm and scale. Needed only after writing parameters through ``.data`` (or another
-    path PyTorch's version counters do not see) while ``PEFT_DORA_NORM_CACHE=1``."""
+def _bump_merge_epoch() -> None:
+    _merge_epoch[0] += 1
     _bump_epoch()
 
 
+def invalidate_norm_caches() -> None:
+    """Forget every reused DoRA norm, scale and ``||W||²``. Needed only after writing parameters through ``.data``
+    (or another path PyTorch's version counters do not see)."""
+    _bump_merge_epoch()
+
+
 # Optimizers built on torch.optim (PyTorch's, bitsandbytes', DeepSpeed's) may write parameters through `.data`,
-# which PyTorch's version counters do not see; a global step hook catches all of them.
+# which PyTorch's version counters do not see; a global step hook catches all of them. They skip parameters without
+# a gradient, so a frozen weight's memo (``Memo(frozen=True)``) survives the steps.
 register_optimizer_step_post_hook(_bump_epoch)
 
 
@@ -60,7 +67,7 @@ def watch_merges(cls: type) -> None:
             try:
                 return _method(self, *args, **kwargs)
             finally:
-                _bump_epoch()
+                _bump_merge_epoch()
 
         setattr(cls, name, watched)
     cls._dora_merges_watched = True
@@ -80,25 +87,30 @@ def identity_tracked(tensors) -> bool:
 class Memo:
     """A value computed from some tensors, valid while the very same tensor objects keep their storage, version
     counter, layout and dtype, the extra key (e.g. the scaling) is unchanged, and no optimizer step or merge happened
-    since (the epoch). Copies and pickles of a layer start empty."""
+    since (the epoch; for a ``frozen`` memo, whose tensors take no optimizer steps, no merge). Copies and pickles of
+    a layer start empty."""
 
-    __slots__ = ("refs", "key", "value")
+    __slots__ = ("refs", "key", "value", "epoch")
 
-    def __init__(self):
+    def __init__(self, frozen: bool = False):
+        self.epoch = _merge_epoch if frozen else _epoch
         self.clear()
 
     def clear(self) -> None:
         self.refs, self.key, self.value = (), None, None
 
     def __deepcopy__(self, memo):
-        return Memo()
+        return Memo(self.epoch is _merge_epoch)
 
     def __reduce__(self):
-        return (Memo, ())
+        return (Memo, (self.epoch is _merge_epoch,))
 
-    @staticmethod
-    def _key(tensors, extra) -> tuple:
-        return (_epoch[0], extra, [(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+    def _key(self, tensors, extra) -> tuple:
+        return (
+            self.epoch[0],
+            extra,
+            [(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors],
+        )
 
     def get(self, tensors, extra=()) -> Optional[torch.Tensor]:
         refs = self.refs

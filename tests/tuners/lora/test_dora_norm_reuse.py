@@ -337,3 +337,47 @@ def test_inference_mode_reuses_only_inside_inference_mode(norm_cache):
     model.train()
     wrapper(x).sum().backward()
     assert lin0(model).lora_magnitude_vector["default"].weight.grad is not None
+
+
+W_CHANGES = {k: CHANGES[k] for k in (
+    "in-place edit of W", "new parameter object for W", "DoRA merge and unmerge", "dtype move",
+    "merge and unmerge of another LoRA adapter",
+)}  # fmt: skip
+W_CHANGES["load_state_dict of W"] = lambda m: m.load_state_dict(
+    {k: v * 1.2 for k, v in m.state_dict().items() if k.endswith("lin0.base_layer.weight")}, strict=False
+)
+W_CHANGES["invalidate after a .data write to W"] = lambda m: (
+    lin0(m).base_layer.weight.data.mul_(0.5),
+    dora.invalidate_norm_caches(),
+)
+
+
+def test_frozen_weight_square_norm_outlives_optimizer_steps(norm_cache):
+    # training by default: ||W||² of the frozen base weight is computed once; the norm itself every micro-step
+    norm_cache(None)
+    model, wrapper = checkpointed_model()
+    dora.norm_counts.clear()
+    got = train_steps(wrapper, trainable(model), steps=3, micro_steps=2)
+    assert dora.norm_counts["w_sq_computed"] == 2 and dora.norm_counts["w_sq_reused"] == 3 * 2 * 2 - 2
+    assert dora.norm_counts["norm_computed"] == 3 * 2 * 2
+    norm_cache("0")
+    model, wrapper = checkpointed_model()
+    torch.testing.assert_close(got, train_steps(wrapper, trainable(model), steps=3, micro_steps=2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change", list(W_CHANGES))
+def test_frozen_weight_square_norm_never_stale(norm_cache, change):
+    norm_cache(None)
+    model = build("linear", bias=True, dropout=0.0)  # training mode: only ||W||² is kept across forwards
+    x = torch.randn(3, 24)
+    model(x)
+    dora.norm_counts.clear()
+    model(x)
+    assert dora.norm_counts["w_sq_reused"] == 2 and dora.norm_counts["norm_computed"] == 2
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        W_CHANGES[change](model)
+    x = x.to(next(model.parameters()).dtype)
+    with torch.no_grad():
+        got = model(x)
+    assert_close(got, fresh_output(model, x), scale=0)
