@@ -158,9 +158,14 @@ def test_never_stale_across_forwards(norm_cache, change, mode):
         dora.norm_counts.clear()
         model(x)
     assert dora.norm_counts["norm_reused"] == 2 and dora.norm_counts["norm_computed"] == 0
+    assert_fresh_after(CHANGES[change], model, x)
+
+
+def assert_fresh_after(change, model, x):
+    """Apply ``change`` (quietly, without autograd), then the next forward must equal one with reuse off."""
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        CHANGES[change](model)
+        change(model)
     x = x.to(next(model.parameters()).dtype)
     with torch.no_grad():
         got = model(x)
@@ -183,16 +188,22 @@ def test_adapter_switch_uses_each_adapters_own_norm(norm_cache):
     assert_close(again, first, scale=0)
 
 
-def test_inference_reuses_the_scale(norm_cache):
-    norm_cache("1")
+def two_eval_forwards(x):
+    """An eval-mode model's second no-grad forward (counted from a cleared ``norm_counts``) equals its first."""
     model = build("linear", bias=True, dropout=0.0).eval()
-    x = torch.randn(3, 24)
     with torch.no_grad():
         expected = model(x)
         dora.norm_counts.clear()
         got = model(x)
-    assert dora.norm_counts["scale_reused"] == 2 and dora.norm_counts["scale_computed"] == 0
     assert_close(got, expected, scale=0)
+    return model
+
+
+def test_inference_reuses_the_scale(norm_cache):
+    norm_cache("1")
+    x = torch.randn(3, 24)
+    model = two_eval_forwards(x)
+    assert dora.norm_counts["scale_reused"] == 2 and dora.norm_counts["scale_computed"] == 0
     # with autograd on the magnitude, g is rebuilt so that m gets its gradient
     dora.norm_counts.clear()
     model(x).sum().backward()
@@ -264,15 +275,10 @@ def test_inference_mode_then_training(norm_cache, mode):
 
 def test_default_reuses_in_eval_without_autograd(norm_cache):
     norm_cache(None)
-    model = build("linear", bias=True, dropout=0.0).eval()
     x = torch.randn(3, 24)
-    with torch.no_grad():
-        expected = model(x)
-        dora.norm_counts.clear()
-        got = model(x)
+    model = two_eval_forwards(x)
     assert dora.norm_counts["norm_reused"] == 2 and dora.norm_counts["norm_computed"] == 0
     assert dora.norm_counts["scale_reused"] == 2 and dora.norm_counts["scale_computed"] == 0
-    assert_close(got, expected, scale=0)
     # eval with autograd through trainable A, B (fine-tuning with dropout off): recomputed, as in training
     dora.norm_counts.clear()
     model(x).sum().backward()
@@ -374,10 +380,4 @@ def test_frozen_weight_square_norm_never_stale(norm_cache, change):
     dora.norm_counts.clear()
     model(x)
     assert dora.norm_counts["w_sq_reused"] == 2 and dora.norm_counts["norm_computed"] == 2
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        W_CHANGES[change](model)
-    x = x.to(next(model.parameters()).dtype)
-    with torch.no_grad():
-        got = model(x)
-    assert_close(got, fresh_output(model, x), scale=0)
+    assert_fresh_after(W_CHANGES[change], model, x)
