@@ -350,7 +350,7 @@ def _reuse_mode(layer: nn.Module, factors=()) -> Optional[str]:
     mode = _env().norm_cache
     if mode is False:
         return None
-    if mode or not (layer.training or (torch.is_grad_enabled() and any(t.requires_grad for t in factors))):
+    if mode or not (layer.training or dora_fused.records_grad(*factors)):
         return "any"
     return "recompute"
 
@@ -392,7 +392,7 @@ def _kernels_allowed(lora: torch.Tensor) -> bool:
 def _select_tier(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> str:
     if not _kernels_allowed(lora) or not dora_fused.kernels_support(lora, base, g):
         return TIER_EAGER
-    if torch.is_grad_enabled() and (lora.requires_grad or base.requires_grad or g.requires_grad):
+    if dora_fused.records_grad(lora, base, g):
         fused_backward = _env().fused_backward
         if fused_backward is False:
             return TIER_EAGER
@@ -417,7 +417,7 @@ def _compose_with_dispatch(
     if tier == TIER_FUSED_FORWARD:
         return dora_fused.fused_dora_compose(lora, base, g, scale, inplace=True)
     # Eager: in place only when autograd records nothing, so no saved tensor is overwritten.
-    inplace = not (torch.is_grad_enabled() and (lora.requires_grad or base.requires_grad or g.requires_grad))
+    inplace = not dora_fused.records_grad(lora, base, g)
     return dora_fused._compose_torch(lora, base, g, scale, inplace=inplace)
 
 
@@ -440,7 +440,7 @@ def _output_with_dispatch(
     strides = dora_fused._output_layout(result, lora, bias, magnitude, weight_norm)
     if strides is None:
         return None
-    training = torch.is_grad_enabled() and (result.requires_grad or lora.requires_grad or magnitude.requires_grad)
+    training = dora_fused.records_grad(result, lora, magnitude)
     if training and _env().fused_backward is False:
         return None
     tier = TIER_FUSED_BACKWARD if training else TIER_FUSED_FORWARD
@@ -544,7 +544,7 @@ class DoraLinearLayer(nn.Module):
     def _scale(self, weight_norm: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
         """g = m / max(w_norm, eps); without autograd (inference, frozen m) reused while m and the norm hold."""
         magnitude = self.weight
-        if torch.is_grad_enabled() and magnitude.requires_grad:
+        if dora_fused.records_grad(magnitude):
             return _magnitude_scale(magnitude, weight_norm, weight_dtype)
         return memoised(
             self._scale_memo,
@@ -626,7 +626,7 @@ class DoraLinearLayer(nn.Module):
         if lora.numel() > _SMALL_FORWARD_NUMEL or torch.compiler.is_compiling():
             return None
         magnitude = self.weight
-        if torch.is_grad_enabled() and (result.requires_grad or lora.requires_grad or magnitude.requires_grad):
+        if dora_fused.records_grad(result, lora, magnitude):
             return None
         if lora.shape != result.shape or lora.dtype != result.dtype or lora._base is not None or magnitude.dim() != 1:
             return None

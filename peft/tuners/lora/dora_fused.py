@@ -230,6 +230,11 @@ if _HAS_TRITON:
 _BACKWARD_CROSSOVER_NUMEL = 1 << 25
 
 
+def records_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records an op on these tensors: grad mode on and one of them requires grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def kernels_available(t: torch.Tensor) -> bool:
     """True when the Triton kernels can run on ``t``'s device: CUDA with Triton, or any device under the interpreter."""
     return _HAS_TRITON and (t.is_cuda or _INTERPRET)
@@ -720,7 +725,7 @@ def fused_dora_output(
 def _fused_output(result, lora, magnitude, weight_norm, scale, eps, bias, strides) -> torch.Tensor:
     """:func:`fused_dora_output` on tensors whose :func:`_output_layout` (``strides``) the caller has taken."""
     scale, eps = float(scale), float(eps)
-    if torch.is_grad_enabled() and (result.requires_grad or lora.requires_grad or magnitude.requires_grad):
+    if records_grad(result, lora, magnitude):
         return FusedDoRAOutputFunction.apply(result, lora, magnitude, weight_norm, bias, scale, eps, strides)
     if lora.numel() > 0:
         _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, None, strides)
