@@ -51,10 +51,13 @@ IMPLS = {
     # kernels in training (convergence eager vs fused)
     "ours_fused_reuse": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_NORM_CACHE": "1"}},
     "ours_fused_forced": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_FUSED_BACKWARD": "1"}},
+    # the convergence noise floor: upstream itself with every initial magnitude moved by one ulp, about the size of
+    # the rounding difference between two correct norms; how far two such runs drift apart is the task's own chaos
+    "upstream_ulp": {"wheel": "upstream", "ours": False, "dora": True, "env": {}, "perturb_ulp": True},
 }
 DEFAULT_IMPLS = ("upstream", "ours_eager", "ours_fused", "lora")
 DORA_IMPLS = ("upstream", "ours_eager", "ours_fused")
-CONVERGENCE_IMPLS = DORA_IMPLS + ("ours_fused_forced",)
+CONVERGENCE_IMPLS = DORA_IMPLS + ("ours_fused_forced", "upstream_ulp")
 MODES = ("autocast", "bf16")
 MEASURES = ("train", "train_accum4", "step_accum4", "infer", "decode")
 EXTRA_MEASURES = ("decode_cached",)  # opt-in: decode under peft.helpers.DoraCaching
@@ -132,7 +135,7 @@ def parse_args(argv=None):
     )
     a("--conv-steps", type=int, help="convergence steps (default 500; tiny 20)")
     a("--conv-seeds", default="0,1")
-    a("--conv-lr", type=float, default=3e-3, help="AdamW learning rate of the convergence runs")
+    a("--conv-lr", type=float, default=1e-3, help="AdamW learning rate of the convergence runs")
     a("--conv-mode", choices=("autocast", "bf16", "fp32"), help="precision of the convergence runs (GPU: autocast)")
     a("--conv-rank", type=int, help="convergence rank (default 64; tiny 8)")
     a("--seed", type=int, default=0)
@@ -484,7 +487,8 @@ def fidelity_metrics(files: dict) -> dict:
 def convergence_metrics(losses: dict) -> dict:
     """Per seed: mean and max |Δloss| per step of ours (eager, fused) vs upstream and of eager vs fused."""
     pairs = [("ours_fused", "upstream"), ("ours_eager", "upstream"), ("ours_eager", "ours_fused"),
-             ("ours_fused_forced", "upstream"), ("ours_eager", "ours_fused_forced")]  # fmt: skip
+             ("ours_fused_forced", "upstream"), ("ours_eager", "ours_fused_forced"),
+             ("upstream_ulp", "upstream")]  # fmt: skip
     out = {}
     for a, b in pairs:
         if a not in losses or b not in losses:

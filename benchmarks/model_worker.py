@@ -135,6 +135,15 @@ def seed_adapters(model, seed: int, init_range: float, zero_b: bool = False) -> 
             m.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 0.1 * noise))
 
 
+@torch.no_grad()
+def nudge_magnitudes(model) -> None:
+    """Move every DoRA magnitude entry up by one ulp of its dtype: a run that differs from the unperturbed one by
+    about what two correct norm computations differ by, to measure how far the training task amplifies that."""
+    for name, p in model.named_parameters():
+        if "lora_magnitude_vector" in name:
+            p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
+
+
 def wrap(base, cfg: dict, rank: int, impl: dict, mode: str):
     """``get_peft_model`` in the precision mode: autocast = fp32 adapters on a bf16 base; bf16/fp32 = one dtype."""
     from peft import LoraConfig, get_peft_model
@@ -421,6 +430,8 @@ def task_convergence(spec, impl, cfg, device) -> dict:
         base = build_base(ccfg, device, torch.float32 if mode == "fp32" else torch.bfloat16)
         model = wrap(base, ccfg, conv["rank"], impl, mode)
         seed_adapters(model, seed, conv["config_kwargs"]["initializer_range"], zero_b=True)
+        if impl.get("perturb_ulp"):
+            nudge_magnitudes(model)
         model.train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=conv["lr"])
         gen = torch.Generator().manual_seed(seed)

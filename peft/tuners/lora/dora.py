@@ -402,6 +402,13 @@ def _select_tier(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> str
     return TIER_FUSED_FORWARD
 
 
+def _record_tier(layer: nn.Module, tier: str) -> None:
+    """Count ``tier`` in ``tier_counts`` and keep it as ``layer.last_tier`` (a plain attribute: set without
+    ``nn.Module.__setattr__``'s parameter/buffer/module bookkeeping, which costs microseconds per decode step)."""
+    tier_counts[tier] += 1
+    object.__setattr__(layer, "last_tier", tier)
+
+
 def _compose_with_dispatch(
     lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor, scale: float, layer: nn.Module
 ) -> torch.Tensor:
@@ -410,8 +417,7 @@ def _compose_with_dispatch(
     The tier is counted in ``tier_counts`` and kept as ``layer.last_tier``.
     """
     tier = _select_tier(lora, base, g)
-    tier_counts[tier] += 1
-    layer.last_tier = tier
+    _record_tier(layer, tier)
     if tier == TIER_FUSED_BACKWARD:
         return dora_fused.fused_dora_compose_autograd(lora, base, g, scale)
     if tier == TIER_FUSED_FORWARD:
@@ -443,9 +449,7 @@ def _output_with_dispatch(
     training = dora_fused.records_grad(result, lora, magnitude)
     if training and _env().fused_backward is False:
         return None
-    tier = TIER_FUSED_BACKWARD if training else TIER_FUSED_FORWARD
-    tier_counts[tier] += 1
-    layer.last_tier = tier
+    _record_tier(layer, TIER_FUSED_BACKWARD if training else TIER_FUSED_FORWARD)
     return dora_fused._fused_output(result, lora, magnitude, weight_norm, scale, _eps_for(weight_dtype), bias, strides)
 
 
@@ -480,7 +484,8 @@ def _forward_weight(base_layer: nn.Module) -> torch.Tensor:
     """The base weight for the forward; plain parameters skip upstream's dequantize probe, whose type-name string
     test Dynamo cannot trace (a graph break per DoRA layer under torch.compile)."""
     weight = getattr(base_layer, "weight", None)
-    if type(weight) is nn.Parameter and not hasattr(base_layer, "W_q"):
+    # an attribute probe that fails costs an exception inside nn.Module.__getattr__: skipped for a plain Linear
+    if type(weight) is nn.Parameter and (type(base_layer) is nn.Linear or not hasattr(base_layer, "W_q")):
         return weight
     return dequantize_module_weight(base_layer)
 
@@ -625,14 +630,19 @@ class DoraLinearLayer(nn.Module):
         """
         if lora.numel() > _SMALL_FORWARD_NUMEL or torch.compiler.is_compiling():
             return None
-        magnitude = self.weight
+        magnitude = self._parameters["weight"]
+        # Autograd recording an op on W, A or B records one on the outputs too, so this also rules out what
+        # `_reuse_mode` would: without it, factors are reused across forwards in eval mode or with NORM_CACHE=1.
         if dora_fused.records_grad(result, lora, magnitude):
             return None
+        env = _env()
+        if env.norm_cache is False or (self.training and not env.norm_cache):
+            return None  # factors computed every forward: the one kernel launch is cheaper
         if lora.shape != result.shape or lora.dtype != result.dtype or lora._base is not None or magnitude.dim() != 1:
             return None
         sources = (weight, source(lora_A), source(lora_B), magnitude) + (() if bias is None else (bias,))
-        if _reuse_mode(self, sources) != "any" or not _kernels_allowed(lora) or capturing(sources):
-            return None  # factors computed every forward, or a graph replayed: the one kernel launch is cheaper
+        if not _kernels_allowed(lora) or capturing(sources):
+            return None  # the eager tier was asked for, or a graph is captured whose replays must follow updates
 
         def factors() -> torch.Tensor:
             weight_norm = self._forward_norm(weight, lora_A, lora_B, scaling, adapter_name)
@@ -644,8 +654,7 @@ class DoraLinearLayer(nn.Module):
         out = lora.mul_(f[1]).addcmul_(result, f[0])
         if bias is not None:
             out.add_(f[2])
-        tier_counts[TIER_SMALL_FORWARD] += 1
-        self.last_tier = TIER_SMALL_FORWARD
+        _record_tier(self, TIER_SMALL_FORWARD)
         return out
 
     def __repr__(self) -> str:
@@ -830,7 +839,7 @@ class DoraLinearVariant(_DoraVariantBase):
             lora_A=module.lora_A[active_adapter],
             lora_B=module.lora_B[active_adapter],
             scaling=module.scaling[active_adapter],
-            base_layer=module.get_base_layer(),
+            base_layer=_base_layer(module),
             adapter_name=active_adapter,
         )
         dropout = module.lora_dropout[active_adapter]
@@ -838,6 +847,12 @@ class DoraLinearVariant(_DoraVariantBase):
             return dora_layer.adapted_output(x, result, **factors)
         # with dropout the base output of the dropped-out input is needed: W·dropout(x) is recomputed in slices
         return result + dora_layer(dropout(x), base_result=None, **factors)
+
+
+def _base_layer(module: nn.Module) -> nn.Module:
+    """``module.get_base_layer()``, without its failing attribute probe (an exception per call) for a plain Linear."""
+    base = module._modules.get("base_layer")
+    return base if type(base) is nn.Linear else module.get_base_layer()
 
 
 def _accelerator_of(lora_A: torch.Tensor, lora_B: torch.Tensor) -> torch.device:
