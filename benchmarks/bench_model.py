@@ -561,8 +561,9 @@ def headline_values(doc: dict) -> dict:
     modes = doc.get("fidelity", {}).get("metrics", {}).get("modes", {})
     out["logits_cos_gap_vs_upstream"] = modes.get("autocast", {}).get("logits_cos_gap_vs_upstream")
     out["logits_cos_gap_vs_upstream_bf16"] = modes.get("bf16", {}).get("logits_cos_gap_vs_upstream")
-    conv = doc.get("convergence", {}).get("metrics", {}).get("ours_fused_vs_upstream", {})
-    out["convergence_mean_abs_dloss"] = conv.get("mean_abs_dloss")
+    conv = doc.get("convergence", {}).get("metrics", {})
+    out["convergence_mean_abs_dloss"] = conv.get("ours_fused_vs_upstream", {}).get("mean_abs_dloss")
+    out["convergence_noise_floor_mean_abs_dloss"] = conv.get("upstream_ulp_vs_upstream", {}).get("mean_abs_dloss")
     out["gpu"] = doc["env"].get("gpu")
     out["date"] = doc["env"].get("date")
     out["headline_rank"] = rank
@@ -667,8 +668,9 @@ def merge_docs(docs: list) -> dict:
         out["speed"].extend(d["speed"])
         if d["fidelity"].get("metrics", {}).get("modes"):
             out["fidelity"] = d["fidelity"]
-        out["convergence"]["losses"].update(d["convergence"]["losses"])
-        out["convergence"].setdefault("tiers", {}).update(d["convergence"].get("tiers", {}))
+        if d["convergence"]["losses"]:  # losses of different configurations do not mix: the later run's set wins
+            conv = d["convergence"]
+            out["convergence"] = {k: conv[k] for k in ("config", "losses", "tiers") if k in conv}
         out["profile"].update(d["profile"])
         out["errors"].extend(d["errors"])
         out["skipped"].extend(d["skipped"])

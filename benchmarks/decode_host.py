@@ -87,7 +87,7 @@ for mode in ("autocast", "bf16"):
             pr.disable()
             sync()
         sio = io.StringIO()
-        pstats.Stats(pr, stream=sio).sort_stats("tottime").print_stats(25)
+        pstats.Stats(pr, stream=sio).strip_dirs().sort_stats("tottime").print_stats(25)
         res["cprofile_top"] = sio.getvalue()[-6000:]
         res["tiers"] = dict(dora.tier_counts)
         res["norm_counts"] = dict(dora.norm_counts)

@@ -89,10 +89,18 @@ def render(doc: dict, ranks=None) -> str:
     if "ours_fused_vs_upstream" in conv:
         c, cc = conv["ours_fused_vs_upstream"], doc["convergence"]["config"]
         lines.append("")
-        lines.append(
-            f"Convergence ({cc['steps']} AdamW steps, r={cc['rank']}, {len(cc['seeds'])} seeds): mean |Δloss| per "
-            f"step ours fused vs upstream {c['mean_abs_dloss']:.2e} (max {c['max_abs_dloss']:.2e})."
+        text = (
+            f"Convergence ({cc['steps']} AdamW steps at lr {cc['lr']:g}, {cc['mode']}, r={cc['rank']}, "
+            f"{len(cc['seeds'])} seeds): mean |Δloss| per step ours fused vs upstream {c['mean_abs_dloss']:.2e} "
+            f"(max {c['max_abs_dloss']:.2e})"
         )
+        floor = conv.get("upstream_ulp_vs_upstream")
+        if floor:
+            text += (
+                f"; the task's own noise floor, upstream against upstream with every initial magnitude one ulp "
+                f"higher: {floor['mean_abs_dloss']:.2e} (max {floor['max_abs_dloss']:.2e})"
+            )
+        lines.append(text + ".")
     if "ours_eager_vs_ours_fused_forced" in conv:
         c = conv["ours_eager_vs_ours_fused_forced"]
         lines.append(
@@ -152,12 +160,14 @@ def main(argv=None) -> int:
     p.add_argument("json")
     p.add_argument("--ranks", help="comma list of ranks to show (default: all in the JSON)")
     p.add_argument("--write", metavar="MARKDOWN", help="replace the table between the markers in this file")
+    p.add_argument("--marker", default="model", help="write between <!-- bench-MARKER:begin/end --> (model tables)")
     args = p.parse_args(argv)
     doc = json.loads(Path(args.json).read_text())
     if "shapes" in doc:  # a bench_kernels.py result
         table, markers = render_kernels(doc), (KERNEL_BEGIN, KERNEL_END)
     else:
-        table, markers = render(doc, [int(r) for r in args.ranks.split(",")] if args.ranks else None), (BEGIN, END)
+        table = render(doc, [int(r) for r in args.ranks.split(",")] if args.ranks else None)
+        markers = (f"<!-- bench-{args.marker}:begin -->", f"<!-- bench-{args.marker}:end -->")
     if args.write:
         write_into(Path(args.write), table, *markers)
         print(f"updated {args.write}")
