@@ -15,7 +15,12 @@ import sys
 from pathlib import Path
 
 
-BEGIN, END = "<!-- bench-model:begin -->", "<!-- bench-model:end -->"
+def markers(name: str) -> tuple[str, str]:
+    """The README comments a table named ``name`` is written between."""
+    return f"<!-- bench-{name}:begin -->", f"<!-- bench-{name}:end -->"
+
+
+BEGIN, END = markers("model")
 IMPLS = (("upstream", "upstream PEFT 0.21.2 DoRA"), ("ours_eager", "ours, eager"), ("ours_fused", "ours, fused"),
          ("lora", "plain LoRA (floor)"), ("ours_fused_reuse", "ours, fused, `PEFT_DORA_NORM_CACHE=1`"),
          ("ours_fused_forced", "ours, fused forced (`PEFT_DORA_FUSED_BACKWARD=1`)"))
@@ -115,7 +120,7 @@ def render(doc: dict, ranks=None) -> str:
     return "\n".join(lines) + "\n"
 
 
-KERNEL_BEGIN, KERNEL_END = "<!-- bench-kernels:begin -->", "<!-- bench-kernels:end -->"
+KERNEL_BEGIN, KERNEL_END = markers("kernels")
 KERNELS = (("compose", "compose"), ("fwd_inner", "forward-and-inner"), ("backward", "backward (with d_mag)"))
 
 
@@ -164,12 +169,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     doc = json.loads(Path(args.json).read_text())
     if "shapes" in doc:  # a bench_kernels.py result
-        table, markers = render_kernels(doc), (KERNEL_BEGIN, KERNEL_END)
+        table, table_markers = render_kernels(doc), (KERNEL_BEGIN, KERNEL_END)
     else:
         table = render(doc, [int(r) for r in args.ranks.split(",")] if args.ranks else None)
-        markers = (f"<!-- bench-{args.marker}:begin -->", f"<!-- bench-{args.marker}:end -->")
+        table_markers = markers(args.marker)
     if args.write:
-        write_into(Path(args.write), table, *markers)
+        write_into(Path(args.write), table, *table_markers)
         print(f"updated {args.write}")
     else:
         print(table)

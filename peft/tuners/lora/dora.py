@@ -631,12 +631,11 @@ class DoraLinearLayer(nn.Module):
         if lora.numel() > _SMALL_FORWARD_NUMEL or torch.compiler.is_compiling():
             return None
         magnitude = self._parameters["weight"]
-        # Autograd recording an op on W, A or B records one on the outputs too, so this also rules out what
-        # `_reuse_mode` would: without it, factors are reused across forwards in eval mode or with NORM_CACHE=1.
+        # Autograd recording an op on W, A or B records one on the outputs too, so this check also stands for the
+        # factors in `_reuse_mode`: without it, factors are reused across forwards in eval mode or with NORM_CACHE=1.
         if dora_fused.records_grad(result, lora, magnitude):
             return None
-        env = _env()
-        if env.norm_cache is False or (self.training and not env.norm_cache):
+        if _reuse_mode(self) != "any":
             return None  # factors computed every forward: the one kernel launch is cheaper
         if lora.shape != result.shape or lora.dtype != result.dtype or lora._base is not None or magnitude.dim() != 1:
             return None
