@@ -254,6 +254,9 @@ def factored_row_norm(
     with torch.autocast(device_type=device.type, enabled=False):
         if scale == 0.0:
             return (row_sq_norm(weight, budget) if w_sq is None else w_sq).sqrt()
+        if _split_norm_applies(weight, lora_A, lora_B):
+            w_sq = row_sq_norm(weight, budget) if w_sq is None else w_sq
+            return dora_norm_triton.split_row_norm(weight, lora_A, lora_B, scale, w_sq, cs)
         own_w_sq = w_sq is None
         # fp32 (or wider) adapters on a half weight: A keeps its precision in W·Aᵀ (see _matmul_acc)
         split = torch.finfo(lora_A.dtype).bits > torch.finfo(weight.dtype).bits
@@ -294,9 +297,9 @@ def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: tor
     Auto (PEFT_DORA_NORM_KERNEL unset): for a half weight with adapters of the same half dtype, where it is both
     faster and more precise on the H200 (bf16 layer of seven Llama projections: 1.2 vs 1.8 ms GPU time per decode
     step, two launches instead of ten, 1.6e-7 vs 1e-5 relative error). With fp32 adapters (PEFT's autocast default)
-    both are precise (the PyTorch form splits A, see ``_matmul_acc``), and the kernel's three bf16 hi/lo products
-    took ~4x the PyTorch form's time at r = 384, so the PyTorch form stays the default; PEFT_DORA_NORM_KERNEL=1
-    takes the kernel wherever it runs, 0 never, and PEFT_DORA_FUSED=0 turns it off with the other kernels.
+    the kernel's three bf16 hi/lo products took ~4x the time of cuBLAS GEMMs against a split A at r = 384, so those
+    take the norm (``_split_norm_applies``); PEFT_DORA_NORM_KERNEL=1 takes the kernel wherever it runs, 0 never (the
+    PyTorch form), and PEFT_DORA_FUSED=0 turns it off with the other kernels.
     """
     env = _env()
     if env.fused is False or env.norm_kernel is False:
@@ -306,6 +309,18 @@ def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: tor
     ):
         return False  # decided by dtypes alone: the support check below costs host time on every forward
     return dora_norm_triton.row_norm_supported(weight, lora_A, lora_B)
+
+
+def _split_norm_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
+    """Whether ``dora_norm_triton.split_row_norm`` computes the norm of fp32 adapters on a half weight (PEFT's
+    autocast default): five launches (split, two GEMMs, the Gram's block sum, one epilogue kernel) where the PyTorch
+    form below takes eleven, and the Gram and ``B·G`` on the tensor cores instead of fp32 SIMT GEMMs. Off with
+    PEFT_DORA_FUSED=0 or PEFT_DORA_NORM_KERNEL=0 (the PyTorch form), and with PEFT_DORA_NORM_KERNEL=1 (the one-pass
+    kernel takes every norm it can)."""
+    env = _env()
+    if env.fused is False or env.norm_kernel is not None:
+        return False
+    return dora_norm_triton.split_norm_supported(weight, lora_A, lora_B)
 
 
 def _accumulate(total: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,8 @@ if _HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .dora_launch import Launcher
+
     @triton.jit
     def _tile(pid, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """Rows, columns and mask of tile ``pid``; column blocks vary fastest so neighbours sweep one row band."""
@@ -80,6 +82,7 @@ if _HAS_TRITON:
         # rows is int64 (derived from the widened program id), so this never wraps past 2^31 elements.
         return ptr + rows[:, None] * row_stride + cols[None, :]
 
+    @Launcher
     @triton.jit
     def _compose_kernel(
         lora_ptr, base_ptr, g_ptr, out_ptr, inner_ptr,
@@ -106,6 +109,7 @@ if _HAS_TRITON:
         norm = tl.load(norm_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
         return tl.div_rn(mag, tl.where(norm < eps, eps, norm))
 
+    @Launcher
     @triton.jit
     def _output_kernel(
         result_ptr, lora_ptr, bias_ptr, mag_ptr, norm_ptr, out_ptr, inner_ptr,
@@ -130,6 +134,7 @@ if _HAS_TRITON:
             inner = (scaled + base).to(inner_ptr.dtype.element_ty)
             tl.store(_at(inner_ptr, rows, cols, stride_inner), inner, mask=mask)
 
+    @Launcher
     @triton.jit
     def _backward_kernel(
         d_out_ptr, inner_ptr, g_ptr, norm_ptr, bias_ptr, d_lora_ptr, d_base_ptr, partial_ptr,
@@ -178,6 +183,7 @@ if _HAS_TRITON:
         if NEED_MAG:
             tl.store(partial_ptr + band * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
 
+    @Launcher
     @triton.jit
     def _column_sum_kernel(
         partial_ptr, out_ptr, norm_ptr, n_parts, n_cols, eps,
@@ -204,6 +210,7 @@ if _HAS_TRITON:
             total = tl.where(mag == 0.0, 0.0, tl.div_rn(total, tl.where(mag == 0.0, 1.0, mag)))
         tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
+    @Launcher
     @triton.jit
     def _norm_kernel(w_sq_ptr, cross_ptr, ba_sq_ptr, out_ptr, n, two_s, s2, BLOCK: tl.constexpr):
         """sqrt(max(w_sq + 2s·cross + s²·ba_sq, 0)) in fp32; launched without FMA contraction so each product is
@@ -313,6 +320,11 @@ def above_backward_crossover(lora: torch.Tensor) -> bool:
     return lora.numel() >= _BACKWARD_CROSSOVER_NUMEL
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids (``triton.cdiv`` is a constexpr function: slower to call from the host)."""
+    return -(-a // b)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -348,7 +360,7 @@ def _compose_triton(lora, base, g, scale, out, inner=None, strides=None):
     n_cols = lora.shape[-1]
     n_rows = lora.numel() // n_cols
     block_m, block_n, warps = _policy(n_rows, n_cols)
-    grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
+    grid = (_cdiv(n_rows, block_m) * _cdiv(n_cols, block_n),)
     _compose_kernel[grid](
         lora, base, g, out, out if inner is None else inner,
         n_rows, n_cols, stride_lora, stride_base, stride_lora if out is lora else n_cols, n_cols, float(scale),
@@ -372,9 +384,9 @@ def _backward_triton(
     d_base = torch.empty(d_out.shape, dtype=d_out.dtype, device=d_out.device) if needs_base_grad else None
     d_mag = torch.empty(g.shape, dtype=g.dtype, device=g.device) if needs_mag_grad else None
     block_m, block_n, warps = _policy(n_rows, n_cols)
-    n_col_blocks = triton.cdiv(n_cols, block_n)
+    n_col_blocks = _cdiv(n_cols, block_n)
     rows_per_program = _backward_rows_per_program(_next_pow2(n_rows), n_col_blocks, block_m)
-    bands = triton.cdiv(n_rows, rows_per_program)
+    bands = _cdiv(n_rows, rows_per_program)
     partial = torch.empty((bands, n_cols), dtype=torch.float32, device=d_out.device) if needs_mag_grad else d_out
     from_mag = norm is not None
     from_output = from_mag and from_output and needs_mag_grad
@@ -388,7 +400,7 @@ def _backward_triton(
     )  # fmt: skip
     if needs_mag_grad:
         # 8 × 256 fp32 per step: the buffer has at most a few thousand rows, so this pass costs microseconds.
-        _column_sum_kernel[(triton.cdiv(n_cols, 256),)](
+        _column_sum_kernel[(_cdiv(n_cols, 256),)](
             partial, d_mag, g if from_output else (norm if from_mag else partial), bands, n_cols, float(eps),
             DIVIDE=2 if from_output else int(from_mag), BLOCK_P=8, BLOCK_N=256,
         )  # fmt: skip
@@ -400,7 +412,7 @@ def _output_triton(result, lora, bias, magnitude, norm, scale, eps, out, inner=N
     n_cols = lora.shape[-1]
     n_rows = lora.numel() // n_cols
     block_m, block_n, warps = _policy(n_rows, n_cols)
-    grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
+    grid = (_cdiv(n_rows, block_m) * _cdiv(n_cols, block_n),)
     stride_out = stride_lora if out is lora else (stride_result if out is result else n_cols)
     _output_kernel[grid](
         result, lora, magnitude if bias is None else bias, magnitude, norm, out, out if inner is None else inner,
@@ -416,7 +428,7 @@ def _norm_assembly_triton(w_norm_sq, cross_term, ba_norm_sq, scale):
     n = w_norm_sq.numel()
     # The norm is d_out elements: launch latency, not block size, decides its time, so one fixed block serves all.
     two_s, s2 = 2.0 * float(scale), float(scale) * float(scale)
-    _norm_kernel[(triton.cdiv(n, 256),)](
+    _norm_kernel[(_cdiv(n, 256),)](
         w_norm_sq, cross_term, ba_norm_sq, out, n, two_s, s2, BLOCK=256, enable_fp_fusion=False
     )
     return out

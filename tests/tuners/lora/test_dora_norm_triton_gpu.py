@@ -170,3 +170,93 @@ def test_nan_inf_and_zero_scale():
     assert zero[3].isnan() and zero[9] == float("inf")
     assert _max_rel(zero[finite], want[finite]) <= 1e-6
     assert torch.equal(N.triton_row_norm(weight[:, :0], lora_A[:, :0], lora_B, SCALE), torch.zeros_like(got))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The split path (fp32 adapters on a half W, PEFT's autocast default): split kernel, two GEMMs, epilogue kernel.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _split_norm(weight, lora_A, lora_B, scale=SCALE, cols=None):
+    assert N.split_norm_supported(weight, lora_A, lora_B)
+    w_sq = dora.row_sq_norm(weight)
+    return N.split_row_norm(weight, lora_A, lora_B, scale, w_sq, cols or weight.shape[1])
+
+
+@pytest.mark.parametrize("d_out, d_in, r", SHAPES)
+def test_split_adversarial_adapters(d_out, d_in, r):
+    # ||s·B·A|| ~ 10·||W||: only reported, loosely bounded (the Gram's hi/lo products keep ~16 bits of A).
+    weight, lora_A, lora_B = _adapter(d_out, d_in, r, torch.bfloat16, torch.float32, ratio=10.0, seed=1)
+    err = _max_rel(_split_norm(weight, lora_A, lora_B), _reference(weight, lora_A, lora_B, SCALE))
+    print(f"split adversarial {d_out}x{d_in} r={r}: max rel err {err:.3e}")
+    assert err <= 1e-4
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_split_weight_past_2_31_elements(layout):
+    d_out, d_in, r = 65536, 32776, 16
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    shape = (d_out, d_in) if layout == "contiguous" else (d_in, d_out)
+    weight = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_(0.0, 0.02, generator=gen)
+    weight = weight if layout == "contiguous" else weight.t()
+    weight, lora_A, lora_B = _adapter(d_out, d_in, r, None, torch.float32, ratio=0.1, seed=3, weight=weight)
+    got = _split_norm(weight, lora_A, lora_B)
+    sample = torch.randperm(d_out, generator=torch.Generator().manual_seed(0))[:192]
+    rows = torch.cat([torch.arange(64), sample, torch.arange(-64, 0)]).remainder(d_out).unique().cuda()
+    err = _max_rel(got[rows], _reference(weight, lora_A, lora_B, SCALE, rows))
+    print(f"split past 2^31 {layout} {d_out}x{d_in} r={r}: max rel err {err:.3e} on {rows.numel()} rows")
+    assert err <= 1e-5
+
+
+SPLIT_ODD_CASES = [
+    # (d_out, d_in, r, W dtype, B dtype, layout, columns per chunk)
+    (1, 5, 1, torch.bfloat16, torch.float32, "contiguous", None),
+    (123, 3000, 33, torch.bfloat16, torch.float32, "transposed", 1000),
+    (4095, 14337, 70, torch.float16, torch.float32, "sliced", None),
+    (3000, 123, 768, torch.bfloat16, torch.bfloat16, "transposed", 64),
+    (14336, 4095, 384, torch.float16, torch.float16, "sliced", 4032),
+    (5000, 5000, 3, torch.bfloat16, torch.float32, "sliced", None),
+]
+
+
+@pytest.mark.parametrize("d_out, d_in, r, w_dtype, b_dtype, layout, cols", SPLIT_ODD_CASES)
+def test_split_odd_shapes_strides_and_chunks(d_out, d_in, r, w_dtype, b_dtype, layout, cols):
+    weight, lora_A, lora_B = _adapter(d_out, d_in, r, w_dtype, torch.float64, ratio=0.1, seed=5)
+    lora_A, lora_B = lora_A.float(), lora_B.to(b_dtype)
+    if layout == "transposed":
+        weight, lora_A, lora_B = (t.t().contiguous().t() for t in (weight, lora_A, lora_B))
+    elif layout == "sliced":
+        weight = torch.zeros(d_out, 2 * d_in, dtype=w_dtype, device="cuda")[:, ::2].copy_(weight)
+        lora_A = torch.zeros(2 * r, d_in, device="cuda")[1::2].copy_(lora_A)
+        lora_B = torch.zeros(d_out, r + 5, dtype=b_dtype, device="cuda")[:, 3 : 3 + r].copy_(lora_B)
+    got = _split_norm(weight, lora_A, lora_B, cols=cols)
+    err = _max_rel(got, _reference(weight, lora_A, lora_B, SCALE))
+    print(f"split odd {d_out}x{d_in} r={r} {w_dtype}/{b_dtype} {layout} chunk={cols}: max rel err {err:.3e}")
+    assert err <= 1e-5
+    assert torch.equal(got, _split_norm(weight, lora_A, lora_B, cols=cols))  # repeatable
+
+
+def test_split_nan_and_inf_stay_in_their_rows():
+    weight, lora_A, lora_B = _adapter(4096, 14336, 384, torch.bfloat16, torch.float32, ratio=0.1, seed=6)
+    weight[3, 9000], weight[9, 0] = float("nan"), float("inf")
+    lora_B[17, 5] = float("inf")
+    got = _split_norm(weight, lora_A, lora_B)
+    # An infinite W enters W·Aᵀ as ±Inf products whose sum may be NaN: the row is non-finite either way.
+    assert got[3].isnan() and not got[9].isfinite() and not got[17].isfinite()
+    finite = got.isfinite()
+    assert finite.sum() == 4096 - 3
+    err = _max_rel(got[finite], _reference(weight, lora_A, lora_B, SCALE)[finite])
+    print(f"split non-finite rows: max rel err of the others {err:.3e}")
+    assert err <= 1e-5
+
+
+def test_split_is_the_default_for_fp32_adapters_and_matches_the_torch_form(dora_env):
+    weight, lora_A, lora_B = _adapter(14336, 4096, 384, torch.bfloat16, torch.float32, ratio=0.1, seed=7)
+    assert dora._split_norm_applies(weight, lora_A, lora_B)
+    got = dora.factored_row_norm(weight, lora_A, lora_B, SCALE)
+    dora_env("PEFT_DORA_NORM_KERNEL", "0")
+    assert not dora._split_norm_applies(weight, lora_A, lora_B)
+    want = dora.factored_row_norm(weight, lora_A, lora_B, SCALE)
+    err = _max_rel(got, want.double())
+    print(f"split vs torch form: max rel diff {err:.3e}")
+    assert err <= 2e-6

@@ -1,0 +1,114 @@
+# Copyright 2026-present the peft-dora-fast authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Triton launches at a third of ``kernel[grid](...)``'s host time.
+
+A DoRA layer launches a few small kernels per forward and backward, and on real models the step is host-bound, so
+launch overhead is step time. ``JITFunction.run`` spends ~20 µs of host time per launch on the H200's host (Triton
+3.6): it binds and specialises every argument, hashes a cache key and builds launch metadata, before the ~6 µs
+driver launch itself. :class:`Launcher` keeps, per launch signature, the compiled kernel that Triton's own first
+launch returned, and calls it directly afterwards.
+
+The signature is everything Triton specialises on, or more: every integer argument by value (Triton keys on
+``== 1``, divisibility by 16 and the integer width), every tensor by dtype and its pointer's alignment to 16 bytes,
+the device, and the constexpr and launch options (keyword arguments). Float arguments are always fp32 to Triton, so
+only their type enters the key. A signature the cache has not seen goes through ``kernel[grid](...)``, which compiles
+or finds the kernel and launches it; so does every launch under ``TRITON_INTERPRET=1``, while a launch hook is set
+(profilers such as Proton), or after the direct call has failed once (a Triton whose launcher API differs).
+
+Call sites pass the kernel's runtime parameters positionally and its constexpr parameters by keyword, all of them,
+in the kernel's own order: the direct call needs the complete argument list.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_MAX_ENTRIES = 4096  # signatures kept per kernel; the cache is cleared (not evicted one by one) past this
+
+_direct = [_HAS_TRITON and not _INTERPRET]  # switched off for the process when a direct call fails
+
+if _direct[0]:
+    try:
+        from triton import knobs
+    except ImportError:  # a Triton without `knobs` (before 3.4) keeps its own launch path
+        _direct[0] = False
+
+
+def _idle(hook) -> bool:
+    """Whether a launch hook does nothing: unset, or a ``HookChain`` with no hook in it (Triton 3.5+ always has
+    one). Anything else counts as a hook to honour, through Triton's own launch."""
+    return hook is None or (type(hook).__name__ == "HookChain" and not getattr(hook, "calls", True))
+
+
+def _signature(args: tuple) -> tuple:
+    return tuple(
+        a if type(a) is int else (a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else type(a) for a in args
+    )
+
+
+class Launcher:
+    """``Launcher(jit_fn)[grid](*runtime_args, **constexprs_and_options)``, launched directly where it can be."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self._cache: dict = {}
+        params = getattr(fn, "params", None)
+        self._names = None if params is None else tuple(p.name for p in params)
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.launch(grid, args, meta)
+
+    def launch(self, grid: tuple, args: tuple, meta: dict) -> None:
+        if not (_direct[0] and _idle(knobs.runtime.launch_enter_hook) and _idle(knobs.runtime.launch_exit_hook)):
+            self.fn[grid](*args, **meta)
+            return
+        device = torch.cuda.current_device()
+        key = (device, _signature(args), *meta.items())
+        entry = self._cache.get(key)
+        if entry is None:
+            kernel = self.fn[grid](*args, **meta)
+            tail = self._constexpr_tail(len(args), meta)
+            if kernel is not None and tail is not None:
+                if len(self._cache) >= _MAX_ENTRIES:
+                    self._cache.clear()
+                self._cache[key] = (kernel, tail)
+            return
+        kernel, tail = entry
+        n = len(grid)
+        try:
+            kernel.run(
+                grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata, None, None, None,
+                *args, *tail,
+            )  # fmt: skip
+        except TypeError:
+            # The launcher's calling convention is not the one this module knows: Triton's own path from now on.
+            _direct[0] = False
+            self.fn[grid](*args, **meta)
+
+    def _constexpr_tail(self, n_args: int, meta: dict):
+        """The values of the parameters after the positional ones, in the kernel's order, or None if one is missing
+        (a parameter left to its default: then every launch of this signature takes Triton's path)."""
+        if self._names is None:
+            return None
+        rest = self._names[n_args:]
+        if any(name not in meta for name in rest):
+            return None
+        return tuple(meta[name] for name in rest)
