@@ -313,10 +313,10 @@ def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: tor
 
 def _split_norm_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
     """Whether ``dora_norm_triton.split_row_norm`` computes the norm of fp32 adapters on a half weight (PEFT's
-    autocast default): five launches (split, two GEMMs, the Gram's block sum, one epilogue kernel) where the PyTorch
-    form below takes eleven, and the Gram and ``B·G`` on the tensor cores instead of fp32 SIMT GEMMs. Off with
-    PEFT_DORA_FUSED=0 or PEFT_DORA_NORM_KERNEL=0 (the PyTorch form), and with PEFT_DORA_NORM_KERNEL=1 (the one-pass
-    kernel takes every norm it can)."""
+    autocast default): five or six launches (split, two GEMMs, the Gram's block sum, the epilogue and its finish)
+    where the PyTorch form below takes eleven, and the Gram and ``B·G`` on the tensor cores instead of fp32 SIMT
+    GEMMs. Off with PEFT_DORA_FUSED=0 or PEFT_DORA_NORM_KERNEL=0 (the PyTorch form), and with PEFT_DORA_NORM_KERNEL=1
+    (the one-pass kernel takes every norm it can)."""
     env = _env()
     if env.fused is False or env.norm_kernel is not None:
         return False

@@ -168,37 +168,41 @@ if _HAS_TRITON:
     @Launcher
     @triton.jit
     def _norm_epilogue_kernel(
-        u_ptr, b_ptr, g_ptr, w_sq_ptr, out_ptr, n_rows, rank, stride_u, stride_bm, stride_br, two_s, s2,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        u_ptr, b_ptr, g_ptr, w_sq_ptr, partial_ptr, n_rows, rank, n_row_blocks, stride_u, stride_bm, stride_br,
+        two_s, s2, FINISH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """out[i] = sqrt(max(w_sq[i] + sum_j B[i, j]·(2s·(U[i, j] + U[i, rank + j]) + s²·(B·G)[i, j]), 0)).
+        """partial[j, i] = sum over column block j of B[i, c]·(2s·(U[i, c] + U[i, rank + c]) + s²·(B·G)[i, c]), plus
+        w_sq[i] in block 0; with FINISH (one column block) the root sqrt(max(., 0)) instead.
 
         U [n_rows, 2·rank] fp32 holds W·hi(A)ᵀ and W·lo(A)ᵀ side by side, G [rank, rank] fp32 is the Gram A·Aᵀ
-        (contiguous); B·G runs on the tensor cores in 3xTF32, which keeps fp32's precision."""
+        (contiguous); B·G runs on the tensor cores in 3xTF32, which keeps fp32's precision. A program owns one row
+        block and one column block of the rank, so that few rows (q, o, down projections) still fill the GPU."""
         pid = tl.program_id(0).to(tl.int64)
-        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        block = pid // n_row_blocks
+        rows = (pid % n_row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < n_rows
-        total = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for j0 in range(0, rank, BLOCK_N):
-            cols = j0 + tl.arange(0, BLOCK_N)
-            col_mask = cols < rank
-            mask = row_mask[:, None] & col_mask[None, :]
-            bg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, rank, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                b_mask = row_mask[:, None] & (ks[None, :] < rank)
-                b = tl.load(b_ptr + rows[:, None] * stride_bm + ks[None, :] * stride_br, mask=b_mask, other=0.0)
-                g_mask = (ks[:, None] < rank) & col_mask[None, :]
-                g = tl.load(g_ptr + ks[:, None] * rank + cols[None, :], mask=g_mask, other=0.0)
-                bg = tl.dot(b.to(tl.float32), g, bg, input_precision="tf32x3")
-            u_at = u_ptr + rows[:, None] * stride_u + cols[None, :]
-            u = tl.load(u_at, mask=mask, other=0.0) + tl.load(u_at + rank, mask=mask, other=0.0)
-            b = tl.load(b_ptr + rows[:, None] * stride_bm + cols[None, :] * stride_br, mask=mask, other=0.0)
-            t = b.to(tl.float32) * (two_s * u + s2 * bg)
-            # Padded columns hold 0 unless a row of B is non-finite (Inf·0 in B·G): keep them out of the row sums.
-            total += tl.sum(tl.where(mask, t, 0.0), axis=1)
-        w_sq = tl.load(w_sq_ptr + rows, mask=row_mask, other=0.0)
-        tl.store(out_ptr + rows, _root(w_sq + total), mask=row_mask)
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < rank
+        mask = row_mask[:, None] & col_mask[None, :]
+        bg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, rank, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            b_mask = row_mask[:, None] & (ks[None, :] < rank)
+            b = tl.load(b_ptr + rows[:, None] * stride_bm + ks[None, :] * stride_br, mask=b_mask, other=0.0)
+            g_mask = (ks[:, None] < rank) & col_mask[None, :]
+            g = tl.load(g_ptr + ks[:, None] * rank + cols[None, :], mask=g_mask, other=0.0)
+            bg = tl.dot(b.to(tl.float32), g, bg, input_precision="tf32x3")
+        u_at = u_ptr + rows[:, None] * stride_u + cols[None, :]
+        u = tl.load(u_at, mask=mask, other=0.0) + tl.load(u_at + rank, mask=mask, other=0.0)
+        b = tl.load(b_ptr + rows[:, None] * stride_bm + cols[None, :] * stride_br, mask=mask, other=0.0)
+        t = b.to(tl.float32) * (two_s * u + s2 * bg)
+        # Padded columns hold 0 unless a row of B is non-finite (Inf·0 in B·G): keep them out of the row sums.
+        total = tl.sum(tl.where(mask, t, 0.0), axis=1)
+        if block == 0:
+            total += tl.load(w_sq_ptr + rows, mask=row_mask, other=0.0)
+        if FINISH:
+            total = _root(total)
+        tl.store(partial_ptr + block * n_rows + rows, total, mask=row_mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -438,8 +442,16 @@ def split_row_norm(
         # (hi + lo)·(hi + lo)ᵀ: the four blocks of [hi | lo]ᵀ·[hi | lo] added
         gram = gram2.view(2, r, 2, r).sum(dim=(0, 2))
         out = torch.empty(d_out, dtype=torch.float32, device=weight.device)
-        _norm_epilogue_kernel[(_cdiv(d_out, _EPILOGUE_BLOCK_M),)](
-            u, lora_B, gram, w_sq, out, d_out, r, u.stride(0), lora_B.stride(0), lora_B.stride(1),
-            2.0 * scale, scale * scale, BLOCK_M=_EPILOGUE_BLOCK_M, BLOCK_N=block, BLOCK_K=min(32, block),
+        row_blocks, col_blocks = _cdiv(d_out, _EPILOGUE_BLOCK_M), _cdiv(r, block)
+        # One column block: the epilogue takes the root itself; else a partial row per block and the finish pass.
+        partial = out if col_blocks == 1 else torch.empty((col_blocks, d_out), dtype=torch.float32, device=out.device)
+        _norm_epilogue_kernel[(row_blocks * col_blocks,)](
+            u, lora_B, gram, w_sq, partial, d_out, r, row_blocks, u.stride(0), lora_B.stride(0), lora_B.stride(1),
+            2.0 * scale, scale * scale, FINISH=col_blocks == 1, BLOCK_M=_EPILOGUE_BLOCK_M, BLOCK_N=block,
+            BLOCK_K=min(32, block),
         )  # fmt: skip
+        if col_blocks > 1:
+            _row_norm_finish_kernel[(_cdiv(d_out, _FINISH_BLOCK),)](
+                partial, out, d_out, col_blocks, BLOCK=_FINISH_BLOCK, enable_fp_fusion=False
+            )
     return out

@@ -151,3 +151,45 @@ def test_ignores_autocast_and_autograd():
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         assert torch.equal(N.triton_row_norm(weight, lora_A, lora_B, SCALE), plain)
     _check(plain, weight, lora_A.detach(), lora_B.detach())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The split norm (fp32 adapters on a half W): split kernel, two products, epilogue (and finish) kernels.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _split_norm(weight, lora_A, lora_B, scale=SCALE, cols=None):
+    from peft.tuners.lora import dora
+
+    assert N.split_norm_supported(weight, lora_A, lora_B)
+    return N.split_row_norm(weight, lora_A, lora_B, scale, dora.row_sq_norm(weight), cols or weight.shape[1])
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d_out, d_in, r", [(1, 5, 1), (17, 100, 16), (130, 64, 33), (64, 130, 70), (100, 17, 130)])
+def test_split_norm_matches_fp64(d_out, d_in, r, w_dtype):
+    # r = 70 and 130 run several column blocks of the rank and the finish pass; r <= 64 one block that takes the root
+    weight, lora_A, lora_B = _inputs(d_out, d_in, r, w_dtype)
+    _check(_split_norm(weight, lora_A, lora_B), weight, lora_A, lora_B)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced"])
+def test_split_norm_strides_chunks_and_half_b(layout):
+    weight, lora_A, lora_B = _inputs(70, 130, 70, torch.bfloat16)
+    if layout == "transposed":
+        weight, lora_A, lora_B = (t.t().contiguous().t() for t in (weight, lora_A, lora_B.half()))
+    else:
+        weight = torch.zeros(70, 260, dtype=torch.bfloat16)[:, ::2].copy_(weight)
+        lora_A = torch.zeros(140, 130)[1::2].copy_(lora_A)
+        lora_B = torch.zeros(70, 75)[:, 3:73].copy_(lora_B)
+    for cols in (None, 48):  # one chunk, and three column chunks of W and A
+        _check(_split_norm(weight, lora_A, lora_B, cols=cols), weight, lora_A, lora_B)
+
+
+def test_split_norm_support_rules():
+    w, a, b = torch.empty(6, 8, dtype=torch.bfloat16), torch.empty(3, 8), torch.empty(6, 3)
+    assert N.split_norm_supported(w, a, b) and N.split_norm_supported(w.half(), a, b.bfloat16())
+    assert not N.split_norm_supported(w.float(), a, b)  # fp32 W: the PyTorch form
+    assert not N.split_norm_supported(w, a.bfloat16(), b)  # half A: the one-pass kernel or the PyTorch form
+    assert not N.split_norm_supported(w[:, :0], a[:, :0], b)  # nothing to multiply
+    assert not N.split_norm_supported(w, a[:, :7], b)  # shapes that do not chain
