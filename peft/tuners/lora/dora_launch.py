@@ -58,6 +58,8 @@ def _idle(hook) -> bool:
 
 
 def _signature(args: tuple) -> tuple:
+    """What the runtime arguments contribute to the cache key: integers by value, tensors by dtype and pointer
+    alignment, anything else (floats, None) by type."""
     return tuple(
         a if type(a) is int else (a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else type(a) for a in args
     )
