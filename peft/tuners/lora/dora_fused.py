@@ -33,12 +33,13 @@ and column slices (``x[..., a:b]``) run without copies. Offsets are int64 throug
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 
 import torch
 
 from .dora_cache import _epoch as _norm_epoch
+from .dora_launch import _HAS_TRITON, _INTERPRET
+from .dora_launch import cdiv as _cdiv
+from .dora_launch import next_pow2 as _next_pow2
 
 
 __all__ = [
@@ -52,9 +53,6 @@ __all__ = [
     "is_triton_available",
 ]
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-# Triton decides at decoration time whether a kernel is interpreted, so the variable is read once, here, too.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -318,15 +316,6 @@ def kernels_support(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> 
 def above_backward_crossover(lora: torch.Tensor) -> bool:
     """True when the fused backward beats eager for an activation of this size (H200 measurement, above)."""
     return lora.numel() >= _BACKWARD_CROSSOVER_NUMEL
-
-
-def _cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for launch grids (``triton.cdiv`` is a constexpr function: slower to call from the host)."""
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 @functools.lru_cache(maxsize=64)

@@ -39,6 +39,8 @@ import torch
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Triton decides at decoration time whether a kernel is interpreted, so the variable is read once, at import; the
+# kernel modules (dora_fused, dora_norm_triton) take both flags from here.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _MAX_ENTRIES = 4096  # signatures kept per kernel; the cache is cleared (not evicted one by one) past this
 
@@ -49,6 +51,16 @@ if _direct[0]:
         from triton import knobs
     except ImportError:  # a Triton without `knobs` (before 3.4) keeps its own launch path
         _direct[0] = False
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids (``triton.cdiv`` is a constexpr function: slower to call from the host)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``): block sizes and launch-policy buckets."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _idle(hook) -> bool:

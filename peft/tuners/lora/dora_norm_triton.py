@@ -30,18 +30,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
-import os
 from typing import NamedTuple
 
 import torch
 
+from .dora_launch import _HAS_TRITON, _INTERPRET
+from .dora_launch import cdiv as _cdiv
+from .dora_launch import next_pow2 as _next_pow2
+
 
 __all__ = ["row_norm_supported", "split_norm_supported", "split_row_norm", "triton_row_norm"]
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-# Triton decides at decoration time whether a kernel is interpreted, so the variable is read once, here, too.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -231,15 +230,6 @@ class _Config(NamedTuple):
     cols_per_split: int
     num_warps: int
     num_stages: int
-
-
-def _cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for launch grids (``triton.cdiv`` is a constexpr function: slower to call from the host)."""
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _unsupported(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> str | None:
