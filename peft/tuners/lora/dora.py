@@ -38,9 +38,12 @@ from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 from peft.utils.other import transpose
 
 from . import dora_fused, dora_norm_triton
-from .dora_cache import Memo, capturing, memoised, source, watch_merges
+from .dora_cache import Memo, capturing, identity_tracked, memoised, source, watch_merges
 from .dora_cache import invalidate_norm_caches as invalidate_norm_caches  # public here, as documented
 from .dora_cache import norm_counts as norm_counts  # public here, as documented
+from .dora_graph import NormGraph
+from .dora_graph import graph_counts as graph_counts  # public here, as documented
+from .dora_launch import _INTERPRET
 from .layer import LoraVariant
 
 
@@ -87,6 +90,7 @@ class _DoraEnv:
     fused_backward: Optional[bool]  # PEFT_DORA_FUSED_BACKWARD: None = auto (above the crossover)
     norm_cache: Optional[bool]  # PEFT_DORA_NORM_CACHE: None = in checkpoint recompute only, True = across forwards
     norm_kernel: Optional[bool]  # PEFT_DORA_NORM_KERNEL: None = auto (where it is faster), True = wherever it runs
+    norm_graph: Optional[bool]  # PEFT_DORA_NORM_GRAPH: None/True = training norms replayed as CUDA graphs, False = not
     norm_chunk_mb: int  # PEFT_DORA_NORM_CHUNK_MB
     fwd_chunk_mb: int  # PEFT_DORA_FWD_CHUNK_MB
 
@@ -97,6 +101,7 @@ class _DoraEnv:
             fused_backward=_parse_tristate("PEFT_DORA_FUSED_BACKWARD"),
             norm_cache=_parse_tristate("PEFT_DORA_NORM_CACHE"),
             norm_kernel=_parse_tristate("PEFT_DORA_NORM_KERNEL"),
+            norm_graph=_parse_tristate("PEFT_DORA_NORM_GRAPH"),
             norm_chunk_mb=_parse_mb("PEFT_DORA_NORM_CHUNK_MB", 256, *_NORM_CHUNK_MB_RANGE),
             fwd_chunk_mb=_parse_mb("PEFT_DORA_FWD_CHUNK_MB", 256, 1, 1 << 20),
         )
@@ -313,14 +318,27 @@ def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: tor
 
 def _split_norm_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
     """Whether ``dora_norm_triton.split_row_norm`` computes the norm of fp32 adapters on a half weight (PEFT's
-    autocast default): five or six launches (split, two GEMMs, the Gram's block sum, the epilogue and its finish)
-    where the PyTorch form below takes eleven, and the Gram and ``B·G`` on the tensor cores instead of fp32 SIMT
-    GEMMs. Off with PEFT_DORA_FUSED=0 or PEFT_DORA_NORM_KERNEL=0 (the PyTorch form), and with PEFT_DORA_NORM_KERNEL=1
-    (the one-pass kernel takes every norm it can)."""
+    autocast default): four or five launches (split, two GEMMs, the epilogue, which also sums the Gram's blocks,
+    and its finish) where the PyTorch form below takes eleven, and the Gram and ``B·G`` on the tensor cores instead
+    of fp32 SIMT GEMMs. Off with PEFT_DORA_FUSED=0 or PEFT_DORA_NORM_KERNEL=0 (the PyTorch form), and with
+    PEFT_DORA_NORM_KERNEL=1 (the one-pass kernel takes every norm it can)."""
     env = _env()
     if env.fused is False or env.norm_kernel is not None:
         return False
     return dora_norm_triton.split_norm_supported(weight, lora_A, lora_B)
+
+
+def _norm_graph_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
+    """Whether a training norm is replayed as a CUDA graph (``dora_graph``): CUDA tensors of one device whose
+    identity PyTorch tracks (not sharded, quantized or inference tensors), outside ``torch.compile`` and outside a
+    graph capture of the caller's own; off with PEFT_DORA_NORM_GRAPH=0 or PEFT_DORA_FUSED=0."""
+    env = _env()
+    if env.norm_graph is False or env.fused is False or _INTERPRET or not weight.is_cuda:
+        return False
+    if lora_A.device != weight.device or lora_B.device != weight.device or torch.compiler.is_compiling():
+        return False
+    sources = (weight, lora_A, lora_B)
+    return identity_tracked(sources) and not capturing(sources)
 
 
 def _accumulate(total: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
@@ -515,6 +533,7 @@ class DoraLinearLayer(nn.Module):
         self.last_tier: Optional[str] = None  # the dispatch tier of the latest forward
         self._norm_memo, self._scale_memo, self._small_memo = Memo(), Memo(), Memo()
         self._w_sq_memo = Memo(frozen=True)  # ||W||² of a frozen base weight outlives optimizer steps
+        self._norm_graph = NormGraph()  # the training norm as a CUDA graph (dora_graph)
 
     def _cache_store(self, key: str, value: Any) -> None:
         self._dora_cache[key] = value
@@ -531,6 +550,8 @@ class DoraLinearLayer(nn.Module):
         if mode != self.training:  # train()/eval() switches forget reused norms, whatever wrote the weights meanwhile
             for memo in (self._norm_memo, self._w_sq_memo, self._scale_memo, self._small_memo):
                 memo.clear()
+        if not mode:
+            self._norm_graph.clear()  # inference does not replay it: its memory pool serves other graphs or none
         super().train(mode=mode)
         return self
 
@@ -559,6 +580,12 @@ class DoraLinearLayer(nn.Module):
         if not weight.requires_grad and _env().norm_cache is not False and not _norm_kernel_applies(w, lora_A, lora_B):
             # a frozen W keeps its ||W||²_row across optimizer steps (they skip it): only cross and Gram are new
             w_sq = memoised(self._w_sq_memo, "any", "w_sq", (weight,), lambda: row_sq_norm(w))
+        if self.training and _norm_graph_applies(weight, lora_A, lora_B):
+            # training forwards recompute the norm of the same tensors, updated in place: one graph launch each
+            tensors = (weight, lora_A, lora_B) if w_sq is None else (weight, lora_A, lora_B, w_sq)
+            extra = (float(scaling), _env(), get_dora_norm_threshold_bytes())
+            compute = lambda: factored_row_norm(w, lora_A, lora_B, scaling, w_sq=w_sq)  # noqa: E731
+            return self._norm_graph.run(tensors, extra, compute)
         return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
 
     def _scale(self, weight_norm: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:

@@ -247,6 +247,8 @@ def kernels_available(t: torch.Tensor) -> bool:
 
 def _row_stride(t: torch.Tensor) -> int | None:
     """Stride between rows when ``t`` reads as non-overlapping [rows, d_out] rows with unit column stride."""
+    if t.is_contiguous():  # the common case, without the walk over the strides below
+        return t.shape[-1] if t.dim() else None
     if t.dim() <= 1:
         return t.shape[0] if t.dim() == 1 else None
     size, stride = t.shape, t.stride()
@@ -589,6 +591,11 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
     :func:`_output_saves_itself`), or, where m has an exact zero, saved in a buffer of its own. The backward is one
     pass for ``d_result = g·d_y``, ``d_lora = g·s·d_y`` and the partial sums of ``d_m``, plus a small deterministic
     column sum.
+
+    Only ``y`` (or ``inner``) goes through ``save_for_backward``; m, the norm and the bias are inputs that the node
+    keeps as attributes: under gradient checkpointing every saved tensor costs a Python pack hook in each forward
+    and an unpack hook in backward, and these three are never recomputed. m's version counter is checked in
+    backward as autograd would check a saved input.
     """
 
     @staticmethod
@@ -602,13 +609,21 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
         if lora.numel() > 0:
             _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, inner, strides)
         ctx.mark_dirty(lora)
-        ctx.save_for_backward(lora if from_output else inner, magnitude, weight_norm, bias)
+        ctx.save_for_backward(lora if from_output else inner)
+        ctx.magnitude, ctx.mag_version, ctx.weight_norm, ctx.bias = magnitude, magnitude._version, weight_norm, bias
         ctx.scale, ctx.eps, ctx.from_output = scale, eps, from_output
         return lora
 
     @staticmethod
     def backward(ctx, d_y):
-        inner, magnitude, weight_norm, bias = ctx.saved_tensors
+        (inner,) = ctx.saved_tensors
+        magnitude, weight_norm, bias = ctx.magnitude, ctx.weight_norm, ctx.bias
+        if magnitude._version != ctx.mag_version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"the DoRA magnitude {tuple(magnitude.shape)} is at version {magnitude._version}; expected version "
+                f"{ctx.mag_version} instead (it was changed in place between the forward and this backward)"
+            )
         needs_result, needs_lora, needs_mag = ctx.needs_input_grad[:3]
         if not (needs_result or needs_lora or needs_mag):
             return None, None, None, None, None, None, None, None

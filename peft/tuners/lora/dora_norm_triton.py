@@ -167,15 +167,17 @@ if _HAS_TRITON:
     @Launcher
     @triton.jit
     def _norm_epilogue_kernel(
-        u_ptr, b_ptr, g_ptr, w_sq_ptr, partial_ptr, n_rows, rank, n_row_blocks, stride_u, stride_bm, stride_br,
-        two_s, s2, FINISH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        u_ptr, b_ptr, g_hi_ptr, g_lo_ptr, w_sq_ptr, partial_ptr, n_rows, rank, n_row_blocks, stride_u, stride_bm,
+        stride_br, two_s, s2, FINISH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """partial[j, i] = sum over column block j of B[i, c]·(2s·(U[i, c] + U[i, rank + c]) + s²·(B·G)[i, c]), plus
         w_sq[i] in block 0; with FINISH (one column block) the root sqrt(max(., 0)) instead.
 
-        U [n_rows, 2·rank] fp32 holds W·hi(A)ᵀ and W·lo(A)ᵀ side by side, G [rank, rank] fp32 is the Gram A·Aᵀ
-        (contiguous); B·G runs on the tensor cores in 3xTF32, which keeps fp32's precision. A program owns one row
-        block and one column block of the rank, so that few rows (q, o, down projections) still fill the GPU."""
+        U [n_rows, 2·rank] fp32 holds W·hi(A)ᵀ and W·lo(A)ᵀ side by side. The Gram G = A·Aᵀ is the sum of the four
+        [rank, rank] blocks of [hi | lo]ᵀ·[hi | lo] (fp32, rows 2·rank long): ``g_hi_ptr`` points at its first rank
+        rows, ``g_lo_ptr`` at the last, and the blocks are added as the tiles are loaded. B·G runs on the tensor cores
+        in 3xTF32, which keeps fp32's precision. A program owns one row block and one column block of the rank, so
+        that few rows (q, o, down projections) still fill the GPU."""
         pid = tl.program_id(0).to(tl.int64)
         block = pid // n_row_blocks
         rows = (pid % n_row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -189,7 +191,11 @@ if _HAS_TRITON:
             b_mask = row_mask[:, None] & (ks[None, :] < rank)
             b = tl.load(b_ptr + rows[:, None] * stride_bm + ks[None, :] * stride_br, mask=b_mask, other=0.0)
             g_mask = (ks[:, None] < rank) & col_mask[None, :]
-            g = tl.load(g_ptr + ks[:, None] * rank + cols[None, :], mask=g_mask, other=0.0)
+            g_at = ks[:, None] * (2 * rank) + cols[None, :]
+            g = tl.load(g_hi_ptr + g_at, mask=g_mask, other=0.0)
+            g += tl.load(g_hi_ptr + g_at + rank, mask=g_mask, other=0.0)
+            g += tl.load(g_lo_ptr + g_at, mask=g_mask, other=0.0)
+            g += tl.load(g_lo_ptr + g_at + rank, mask=g_mask, other=0.0)
             bg = tl.dot(b.to(tl.float32), g, bg, input_precision="tf32x3")
         u_at = u_ptr + rows[:, None] * stride_u + cols[None, :]
         u = tl.load(u_at, mask=mask, other=0.0) + tl.load(u_at + rank, mask=mask, other=0.0)
@@ -377,14 +383,16 @@ def row_norm_checked(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.T
 
 _SPLIT_BLOCK_R, _SPLIT_BLOCK_K = 32, 64
 _EPILOGUE_BLOCK_M = 64
+_SPLIT_MAX_RANK = 16384
 
 
 def split_norm_supported(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
     """True when :func:`split_row_norm` can take these tensors: a bf16/fp16 ``W`` with fp32 ``A`` (``B`` fp32, bf16
-    or fp16), all 2-D and chained, non-empty, on one CUDA device (or the interpreter)."""
+    or fp16), all 2-D and chained, non-empty, on one CUDA device (or the interpreter), rank at most
+    ``_SPLIT_MAX_RANK`` (the epilogue indexes the [2r, 2r] Gram in int32)."""
     if weight.dtype not in _HALF_DTYPES or lora_A.dtype != torch.float32 or lora_B.dtype not in _KERNEL_DTYPES:
         return False
-    if _unsupported(weight, lora_A, lora_B) is not None:
+    if _unsupported(weight, lora_A, lora_B) is not None or lora_A.shape[0] > _SPLIT_MAX_RANK:
         return False
     return weight.shape[1] > 0
 
@@ -429,14 +437,13 @@ def split_row_norm(
             h = _split_t(a_c, weight.dtype)
             u_c, g_c = _mm_fp32(w_c, h), _mm_fp32(h.T, h)
             u, gram2 = (u_c, g_c) if u is None else (u.add_(u_c), gram2.add_(g_c))
-        # (hi + lo)·(hi + lo)ᵀ: the four blocks of [hi | lo]ᵀ·[hi | lo] added
-        gram = gram2.view(2, r, 2, r).sum(dim=(0, 2))
         out = torch.empty(d_out, dtype=torch.float32, device=weight.device)
         row_blocks, col_blocks = _cdiv(d_out, _EPILOGUE_BLOCK_M), _cdiv(r, block)
         # One column block: the epilogue takes the root itself; else a partial row per block and the finish pass.
         partial = out if col_blocks == 1 else torch.empty((col_blocks, d_out), dtype=torch.float32, device=out.device)
         _norm_epilogue_kernel[(row_blocks * col_blocks,)](
-            u, lora_B, gram, w_sq, partial, d_out, r, row_blocks, u.stride(0), lora_B.stride(0), lora_B.stride(1),
+            u, lora_B, gram2, gram2[r:], w_sq, partial, d_out, r, row_blocks, u.stride(0), lora_B.stride(0),
+            lora_B.stride(1),
             2.0 * scale, scale * scale, FINISH=col_blocks == 1, BLOCK_M=_EPILOGUE_BLOCK_M, BLOCK_N=block,
             BLOCK_K=min(32, block),
         )  # fmt: skip

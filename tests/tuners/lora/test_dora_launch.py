@@ -126,3 +126,45 @@ def test_interpreter_and_no_triton_never_go_direct(monkeypatch):
     for _ in range(3):
         k[(1,)](torch.zeros(4), BLOCK=16)
     assert len(fn.launches) == 3 and compiled.calls == []
+
+
+class CudaLauncher:
+    """Triton 3.6's launcher object (``kernel.run``): ``__call__`` adds the scratch buffers and forwards to the C
+    ``launch``."""
+
+    def __init__(self, scratch=0):
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.launched, self.called = [], []
+
+    def launch(self, *args):
+        self.launched.append(args)
+
+    def __call__(self, *args):
+        self.called.append(args)
+
+
+@pytest.mark.parametrize("version", [(3, 6), (3, 7)])
+@pytest.mark.parametrize("scratch", [0, 64])
+def test_c_launch_called_directly_only_where_verified(direct, version, scratch):
+    direct.setattr(dora_launch, "_TRITON_VERSION", version)
+    compiled = FakeCompiled()
+    compiled.run = CudaLauncher(scratch)
+    fn = FakeJit(["x_ptr", "n", "BLOCK"], compiled)
+    k = dora_launch.Launcher(fn)
+    x = torch.zeros(8)
+    for _ in range(2):
+        k[(5, 2)](x, 64, BLOCK=128)
+    if version == (3, 6) and scratch == 0:  # the C function, with __call__'s arguments spelled out
+        lead = (False, True, None, None, "meta", None, None, None)
+        assert compiled.run.launched == [(5, 2, 1, 1234, "fn", *lead, x, 64, 128)]
+        assert compiled.run.called == []
+    else:  # through the launcher object, as kernel.run
+        assert compiled.run.called == [(5, 2, 1, 1234, "fn", "meta", None, None, None, x, 64, 128)]
+        assert compiled.run.launched == []
+
+
+def test_signature_keys():
+    x = torch.zeros(8)
+    assert dora_launch._signature((x, 3, 0.5, None)) == (torch.float32, 0, 3, float, type(None))
+    assert dora_launch._signature((x[1:],)) == (torch.float32, 4)

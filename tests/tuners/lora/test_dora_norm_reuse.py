@@ -381,3 +381,19 @@ def test_frozen_weight_square_norm_never_stale(norm_cache, change):
     model(x)
     assert dora.norm_counts["w_sq_reused"] == 2 and dora.norm_counts["norm_computed"] == 2
     assert_fresh_after(W_CHANGES[change], model, x)
+
+
+def test_norm_graph_switch_parsed_and_cpu_never_graphs(dora_env):
+    dora_env("PEFT_DORA_NORM_GRAPH", "often")
+    with pytest.raises(ValueError, match="PEFT_DORA_NORM_GRAPH"):
+        build("linear", bias=True, dropout=0.0)(torch.randn(1, 24))
+    dora_env("PEFT_DORA_NORM_GRAPH", "1")
+    model = build("linear", bias=True, dropout=0.0)
+    model.train()
+    dora.graph_counts.clear()
+    for _ in range(3):
+        model(torch.randn(2, 24)).sum().backward()
+    assert sum(dora.graph_counts.values()) == 0  # CUDA graphs need CUDA tensors: CPU norms stay eager
+    layer = model.base_model.model.lin0
+    assert layer.lora_magnitude_vector["default"]._norm_graph.graph is None
+    assert copy.deepcopy(layer).lora_magnitude_vector["default"]._norm_graph.key is None

@@ -1,0 +1,196 @@
+"""Training norms replayed as CUDA graphs (``dora_graph``): bitwise the norm that an eager computation gives, through
+optimizer steps, in-place edits, new tensors, scaling changes, device moves and the caller's own graph capture."""
+
+import pytest
+import torch
+
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import dora, dora_graph
+
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def graph_env(monkeypatch):
+    def set_env(value):
+        if value is None:
+            monkeypatch.delenv("PEFT_DORA_NORM_GRAPH", raising=False)
+        else:
+            monkeypatch.setenv("PEFT_DORA_NORM_GRAPH", value)
+        dora._invalidate_fused_cache()
+
+    yield set_env
+    monkeypatch.delenv("PEFT_DORA_NORM_GRAPH", raising=False)
+    dora._invalidate_fused_cache()
+
+
+def _model(adapter_dtype, seed=0, d_in=1024, d_out=3072, r=64):
+    torch.manual_seed(seed)
+    base = torch.nn.Sequential(torch.nn.Linear(d_in, d_out, bias=False)).to("cuda", torch.bfloat16)
+    config = LoraConfig(r=r, lora_alpha=r // 2, target_modules=["0"], use_dora=True, init_lora_weights=False)
+    model = get_peft_model(base, config)
+    return model.to(adapter_dtype) if adapter_dtype == torch.bfloat16 else model
+
+
+def _layer(model):
+    return model.base_model.model[0]
+
+
+def _eager_norm(model):
+    layer = _layer(model)
+    w = layer.base_layer.weight
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    return dora.factored_row_norm(w, a, b, layer.scaling["default"])
+
+
+def _train(model, steps, autocast, x, gy, edit=None):
+    """``steps`` optimizer steps; after each, the norm the next forward used against an eager one."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    seen = []
+    for i in range(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y = model(x)
+        y.backward(gy)
+        norm = _layer(model).lora_magnitude_vector["default"]._last_norm
+        seen.append((norm, _eager_norm(model)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if edit is not None:
+            edit(i)
+    return seen
+
+
+@pytest.fixture
+def record_norm(monkeypatch):
+    """Keep the norm each forward used on the DoRA layer (``_last_norm``)."""
+    original = dora.DoraLinearLayer._forward_norm
+
+    def recorded(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        self._last_norm = out.clone()
+        return out
+
+    monkeypatch.setattr(dora.DoraLinearLayer, "_forward_norm", recorded)
+
+
+@pytest.mark.parametrize("adapters", ["fp32_autocast", "bf16"])
+def test_replayed_norm_is_the_eager_norm_through_optimizer_steps(graph_env, record_norm, adapters):
+    graph_env(None)
+    autocast = adapters == "fp32_autocast"
+    model = _model(torch.float32 if autocast else torch.bfloat16)
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    gy = torch.randn(512, 3072, device="cuda", dtype=torch.bfloat16)
+    dora_graph.graph_counts.clear()
+    seen = _train(model, 5, autocast, x, gy)
+    # step 1 eager, step 2 captured (and replayed once), steps 3-5 replayed: the graph reads the updated A and B
+    assert dora_graph.graph_counts["captured"] == 1 and dora_graph.graph_counts["replayed"] == 4
+    for used, eager in seen:
+        assert torch.equal(used, eager)
+    assert not torch.equal(seen[0][0], seen[-1][0])  # the optimizer did change the norm
+
+
+def test_graph_follows_in_place_edits_new_tensors_and_scaling(graph_env, record_norm):
+    graph_env(None)
+    model = _model(torch.float32)
+    layer = _layer(model)
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    gy = torch.randn(256, 3072, device="cuda", dtype=torch.bfloat16)
+
+    def edit(i):
+        with torch.no_grad():
+            if i == 1:
+                layer.base_layer.weight.mul_(1.5)  # a frozen W edited in place (its ||W||² memo follows the version)
+            elif i == 2:
+                layer.lora_A["default"].weight = torch.nn.Parameter(layer.lora_A["default"].weight.detach() * 2)
+            elif i == 3:
+                layer.scaling["default"] *= 3.0
+            elif i == 4:
+                layer.lora_B["default"].weight.data.add_(0.01)  # a .data write: invisible to versions, not to a replay
+
+    seen = _train(model, 7, True, x, gy, edit)
+    for used, eager in seen:
+        torch.testing.assert_close(used, eager, rtol=0, atol=0)
+
+
+def test_off_switch_and_eval_do_not_capture(graph_env, record_norm):
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    gy = torch.randn(256, 3072, device="cuda", dtype=torch.bfloat16)
+    graph_env("0")
+    model = _model(torch.float32)
+    dora_graph.graph_counts.clear()
+    _train(model, 3, True, x, gy)
+    assert sum(dora_graph.graph_counts.values()) == 0
+    graph_env(None)
+    _train(model, 3, True, x, gy)
+    assert dora_graph.graph_counts["captured"] == 1
+    model.eval()
+    assert _layer(model).lora_magnitude_vector["default"]._norm_graph.graph is None  # released on eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for _ in range(3):
+            model(x)
+    assert dora_graph.graph_counts["captured"] == 1
+
+
+def test_callers_own_capture_and_device_moves(graph_env, record_norm):
+    graph_env(None)
+    model = _model(torch.float32)
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    gy = torch.randn(64, 3072, device="cuda", dtype=torch.bfloat16)
+    _train(model, 3, True, x, gy)  # captured and replayed
+    dora_graph.graph_counts.clear()
+    # a training forward inside the caller's capture computes its norm in that capture (no nested capture)
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        model(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), torch.no_grad():
+        out = model(static_x)
+    g.replay()
+    with torch.no_grad():
+        ref = model(static_x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert dora_graph.graph_counts["captured"] == 0
+    # moved to the CPU and back: new storage (or the old addresses again, which the graph then reads correctly)
+    model.cpu()
+    model.cuda()
+    for used, eager in _train(model, 3, True, x, gy):
+        assert torch.equal(used, eager)
+
+
+def _steps(model, x, n=2):
+    for _ in range(n):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(x).float().sum().backward()
+
+
+def test_graphs_share_one_pool_and_release_it(graph_env):
+    graph_env(None)
+    import gc
+
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    _steps(_model(torch.float32, seed=9, d_in=2048, d_out=8192, r=256), x)  # side-stream workspace, kernels
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    models = [_model(torch.float32, seed=i, d_in=2048, d_out=8192, r=256) for i in range(4)]
+    _steps(models[0], x)
+    torch.cuda.synchronize()
+    one = torch.cuda.memory_reserved()
+    for model in models[1:]:
+        _steps(model, x)
+    torch.cuda.synchronize()
+    four = torch.cuda.memory_reserved()
+    # one norm's temporaries hold U alone (8192 x 512 fp32 = 16 MiB): three more graphs in pools of their own
+    # would add at least that much each on top of the three models' gradients
+    grads = sum(p.numel() * p.element_size() for m in models[1:] for p in m.parameters() if p.requires_grad)
+    assert four - one < grads + 16 * 2**20, (four - one - grads) / 2**20
+    del models, model
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= before + 4 * 2**20, (torch.cuda.memory_reserved() - before) / 2**20
