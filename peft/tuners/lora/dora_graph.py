@@ -41,15 +41,20 @@ import torch
 graph_counts: collections.Counter = collections.Counter()
 """Norm graphs ``captured``, ``replayed`` and ``failed`` (a capture that raised; that key then stays eager)."""
 
-_pools: dict = {}  # device index -> graph memory pool handle shared by every norm graph on that device
+_pools: dict = {}  # device index -> (memory pool handle shared by every norm graph there, the graphs that use it)
 _streams: dict = {}  # device index -> side stream that captures run on (capture cannot use the default stream)
 
 
 def _pool_and_stream(index: int):
-    if index not in _pools:
-        _pools[index] = torch.cuda.graph_pool_handle()
+    """The device's shared pool, the set of live graphs in it, and its capture stream. PyTorch frees a pool when
+    the last graph using it is destroyed, and a freed pool's handle must not be captured into again: a new one is
+    taken once no graph of ours holds the old one."""
+    entry = _pools.get(index)
+    if entry is None or not entry[1]:
+        entry = _pools[index] = (torch.cuda.graph_pool_handle(), weakref.WeakSet())
+    if index not in _streams:
         _streams[index] = torch.cuda.Stream(device=index)
-    return _pools[index], _streams[index]
+    return entry[0], entry[1], _streams[index]
 
 
 def _key(tensors, extra) -> tuple:
@@ -104,7 +109,7 @@ class NormGraph:
     def _capture(self, device: torch.device, compute) -> Optional[torch.Tensor]:
         """Capture ``compute`` on the device's side stream and replay it once; None (and eager from now on for
         this key) where the capture fails."""
-        pool, stream = _pool_and_stream(device.index if device.index is not None else torch.cuda.current_device())
+        pool, live, stream = _pool_and_stream(device.index if device.index is not None else torch.cuda.current_device())
         current = torch.cuda.current_stream(device)
         graph = torch.cuda.CUDAGraph()
         stream.wait_stream(current)
@@ -122,6 +127,7 @@ class NormGraph:
             graph_counts["failed"] += 1
             return None
         current.wait_stream(stream)
+        live.add(graph)
         self.graph, self.out = graph, out
         graph_counts["captured"] += 1
         graph.replay()

@@ -85,6 +85,7 @@ def test_replayed_norm_is_the_eager_norm_through_optimizer_steps(graph_env, reco
     seen = _train(model, 5, autocast, x, gy)
     # step 1 eager, step 2 captured (and replayed once), steps 3-5 replayed: the graph reads the updated A and B
     assert dora_graph.graph_counts["captured"] == 1 and dora_graph.graph_counts["replayed"] == 4
+    assert dora_graph.graph_counts["failed"] == 0
     for used, eager in seen:
         assert torch.equal(used, eager)
     assert not torch.equal(seen[0][0], seen[-1][0])  # the optimizer did change the norm
@@ -194,3 +195,7 @@ def test_graphs_share_one_pool_and_release_it(graph_env):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() <= before + 4 * 2**20, (torch.cuda.memory_reserved() - before) / 2**20
+    # PyTorch freed the pool with its last graph: the next capture takes a new pool instead of the dead one
+    dora_graph.graph_counts.clear()
+    _steps(_model(torch.float32, seed=5), torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16), n=3)
+    assert dora_graph.graph_counts["captured"] == 1 and dora_graph.graph_counts["failed"] == 0
