@@ -580,13 +580,16 @@ class DoraLinearLayer(nn.Module):
         if not weight.requires_grad and _env().norm_cache is not False and not _norm_kernel_applies(w, lora_A, lora_B):
             # a frozen W keeps its ||W||²_row across optimizer steps (they skip it): only cross and Gram are new
             w_sq = memoised(self._w_sq_memo, "any", "w_sq", (weight,), lambda: row_sq_norm(w))
+
+        def compute() -> torch.Tensor:
+            return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
+
         if self.training and _norm_graph_applies(weight, lora_A, lora_B):
             # training forwards recompute the norm of the same tensors, updated in place: one graph launch each
             tensors = (weight, lora_A, lora_B) if w_sq is None else (weight, lora_A, lora_B, w_sq)
             extra = (float(scaling), _env(), get_dora_norm_threshold_bytes())
-            compute = lambda: factored_row_norm(w, lora_A, lora_B, scaling, w_sq=w_sq)  # noqa: E731
             return self._norm_graph.run(tensors, extra, compute)
-        return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
+        return compute()
 
     def _scale(self, weight_norm: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
         """g = m / max(w_norm, eps); without autograd (inference, frozen m) reused while m and the norm hold."""

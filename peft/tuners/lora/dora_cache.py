@@ -113,17 +113,24 @@ class Memo:
         )
 
     def get(self, tensors, extra=()) -> Optional[torch.Tensor]:
-        refs = self.refs
-        if self.value is None or len(refs) != len(tensors):
+        if self.value is None or not same_objects(self.refs, tensors):
             return None
-        for ref, t in zip(refs, tensors):
-            if ref() is not t:
-                return None
         return self.value if self._key(tensors, extra) == self.key else None
 
     def put(self, tensors, value: torch.Tensor, extra=()) -> torch.Tensor:
         self.refs, self.key, self.value = tuple(weakref.ref(t) for t in tensors), self._key(tensors, extra), value
         return value
+
+
+def same_objects(refs: tuple, tensors) -> bool:
+    """Whether the weak references ``refs`` point at exactly these tensor objects, in order (a loop: cheaper than
+    ``all()`` over a generator on the per-forward path)."""
+    if len(refs) != len(tensors):
+        return False
+    for ref, t in zip(refs, tensors):
+        if ref() is not t:
+            return False
+    return True
 
 
 def source(t: torch.Tensor) -> torch.Tensor:

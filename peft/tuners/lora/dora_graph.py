@@ -37,6 +37,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .dora_cache import same_objects
+
 
 graph_counts: collections.Counter = collections.Counter()
 """Norm graphs ``captured``, ``replayed`` and ``failed`` (a capture that raised; that key then stays eager)."""
@@ -80,13 +82,7 @@ class NormGraph:
         return (NormGraph, ())
 
     def _same(self, tensors, extra) -> bool:
-        refs = self.refs
-        if len(refs) != len(tensors):
-            return False
-        for ref, t in zip(refs, tensors):
-            if ref() is not t:
-                return False
-        return _key(tensors, extra) == self.key
+        return same_objects(self.refs, tensors) and _key(tensors, extra) == self.key
 
     def run(self, tensors, extra, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``compute()`` (a no-grad function of ``tensors``, CUDA tensors of one device, and of ``extra``: anything
