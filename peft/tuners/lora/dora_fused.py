@@ -337,13 +337,30 @@ def _policy(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     return _elementwise_policy(_next_pow2(min(n_rows, 4096)), _next_pow2(n_cols))
 
 
+# The backward's d_m partial sums: about this many programs, at most this many row bands, so that the [bands, d_out]
+# fp32 partial buffer is small (at most 64 rows) and the column sum that reduces it has one step per program.
+# H200, 4096 rows, backward + column sum (benchmarks/bwd_policy.py -> results/bwd_policy.json): d_out 1024 / 4096 /
+# 14336 took 54 / 120 / 150 µs with 4096 programs (8 rows each at d_out 4096: a partial buffer a quarter the size
+# of d_out's read, and a column sum walking 512 bands in 16 programs), 10.7 / 40 / 126 µs with these.
+_BACKWARD_PROGRAMS = 1024
+_BACKWARD_MAX_BANDS = 64
+
+
 @functools.lru_cache(maxsize=64)
 def _backward_rows_per_program(n_rows_bucket: int, n_col_blocks: int, block_m: int) -> int:
-    """Rows one backward program walks: enough programs to fill the GPU many times over (~4096), few enough that
-    the [row bands, d_out] fp32 partial buffer stays a few percent of the activation traffic."""
-    bands = max(1, 4096 // n_col_blocks)
+    """Rows one backward program walks: about ``_BACKWARD_PROGRAMS`` programs in all, at most
+    ``_BACKWARD_MAX_BANDS`` row bands."""
+    bands = max(1, min(_BACKWARD_MAX_BANDS, _BACKWARD_PROGRAMS // n_col_blocks))
     rows = max(block_m, -(-n_rows_bucket // bands))
     return -(-rows // block_m) * block_m
+
+
+@functools.lru_cache(maxsize=64)
+def _column_sum_policy(bands_bucket: int) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_N) of the column sum: up to 64 bands per step in 4096-element tiles, so that each program
+    has few steps and narrow outputs still spread over many programs."""
+    block_p = min(64, bands_bucket)
+    return block_p, max(32, min(1024, 4096 // block_p))
 
 
 def _compose_triton(lora, base, g, scale, out, inner=None, strides=None):
@@ -390,10 +407,10 @@ def _backward_triton(
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     if needs_mag_grad:
-        # 8 × 256 fp32 per step: the buffer has at most a few thousand rows, so this pass costs microseconds.
-        _column_sum_kernel[(_cdiv(n_cols, 256),)](
+        block_p, block_n_sum = _column_sum_policy(_next_pow2(bands))
+        _column_sum_kernel[(_cdiv(n_cols, block_n_sum),)](
             partial, d_mag, g if from_output else (norm if from_mag else partial), bands, n_cols, float(eps),
-            DIVIDE=2 if from_output else int(from_mag), BLOCK_P=8, BLOCK_N=256,
+            DIVIDE=2 if from_output else int(from_mag), BLOCK_P=block_p, BLOCK_N=block_n_sum,
         )  # fmt: skip
     return d_lora, d_base, d_mag
 
