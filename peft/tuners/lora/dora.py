@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _nn_module
 
 from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 from peft.utils.other import transpose
@@ -523,6 +524,30 @@ def _forward_weight(base_layer: nn.Module) -> torch.Tensor:
     return dequantize_module_weight(base_layer)
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """Whether ``module(x)`` is exactly ``F.linear(x, module.weight, module.bias)`` with nothing else to see the call:
+    an ``nn.Linear`` (not a subclass or parametrized class), no hooks of its own or global ones, its class's forward
+    (not one wrapped on the instance, as accelerate's offload hooks do) and not compiled."""
+    return (
+        type(module) is nn.Linear
+        and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
+        and not (module._backward_pre_hooks or "forward" in module.__dict__ or module._compiled_call_impl is not None)
+        and not (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)
+        and not (_nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
+    )
+
+
+def _lora_output(lora_A: nn.Module, lora_B: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``lora_B(lora_A(x))``, as two ``F.linear`` calls where both modules are plain Linears: nn.Module's call
+    machinery costs about as much host time as the matmul's dispatch, per module and forward."""
+    if _plain_linear(lora_A) and _plain_linear(lora_B):
+        params_a, params_b = lora_A._parameters, lora_B._parameters
+        weight_a, weight_b = params_a.get("weight"), params_b.get("weight")
+        if weight_a is not None and weight_b is not None:
+            return F.linear(F.linear(x, weight_a, params_a.get("bias")), weight_b, params_b.get("bias"))
+    return lora_B(lora_A(x))
+
+
 class DoraLinearLayer(nn.Module):
     """Magnitude vector and DoRA contribution of one adapter on a Linear (or GPT-2 ``Conv1D``) layer."""
 
@@ -532,6 +557,7 @@ class DoraLinearLayer(nn.Module):
         self._dora_cache: dict[str, Any] = {}  # not part of the state_dict
         self.last_tier: Optional[str] = None  # the dispatch tier of the latest forward
         self._norm_memo, self._scale_memo, self._small_memo = Memo(), Memo(), Memo()
+        self._small_rows: tuple = ()  # (the small forward's factors, their rows as views)
         self._w_sq_memo = Memo(frozen=True)  # ||W||² of a frozen base weight outlives optimizer steps
         self._norm_graph = NormGraph()  # the training norm as a CUDA graph (dora_graph)
 
@@ -550,6 +576,7 @@ class DoraLinearLayer(nn.Module):
         if mode != self.training:  # train()/eval() switches forget reused norms, whatever wrote the weights meanwhile
             for memo in (self._norm_memo, self._w_sq_memo, self._scale_memo, self._small_memo):
                 memo.clear()
+            self._small_rows = ()
         if not mode:
             self._norm_graph.clear()  # inference does not replay it: its memory pool serves other graphs or none
         super().train(mode=mode)
@@ -641,7 +668,7 @@ class DoraLinearLayer(nn.Module):
         weight_norm = self._forward_norm(weight, lora_A.weight, lora_B.weight, scaling, adapter_name)
         # The norm is a constant for autograd (DoRA paper, section 4.3); only the magnitude gets a gradient.
         g = self._scale(weight_norm, weight.dtype)
-        lora_result = lora_B(lora_A(x))
+        lora_result = _lora_output(lora_A, lora_B, x)
         if base_result is None:
             return self._base_chunks(x, weight, lora_result, g, scaling)
         bias = base_layer.bias
@@ -653,7 +680,7 @@ class DoraLinearLayer(nn.Module):
         """``result + forward(x, base_result=result)`` (no dropout on ``x``), through the one-pass output kernel where
         it applies: the output is then written once and ``g`` never materialises."""
         weight = _forward_weight(base_layer)
-        lora_result = lora_B(lora_A(x))
+        lora_result = _lora_output(lora_A, lora_B, x)
         bias = base_layer.bias
         out = self._small_output(result, lora_result, weight, lora_A.weight, lora_B.weight, bias, scaling, adapter_name)
         if out is not None:
@@ -670,34 +697,48 @@ class DoraLinearLayer(nn.Module):
         """The fused forward for few rows (decode), or None where it does not apply.
 
         Without autograd, with the norm reused across forwards (eval) and at most ``_SMALL_FORWARD_NUMEL`` outputs,
-        ``y = (g·s)·lora + g·result (+ (1 − g)·bias)`` is two (three) in-place PyTorch ops on the fresh LoRA output,
-        each rounding once from fp32 like the kernel, with the [d_out] factors kept from the first such forward.
+        ``y = g·(result + s·lora) (+ (1 − g)·bias)`` is two (three) in-place PyTorch ops on the fresh LoRA output,
+        the first with the scalar s (a third cheaper on the host than two ops with [d_out] factors), each computed
+        in fp32 and rounded once, with the [d_out] factors kept from the first such forward.
         """
-        if lora.numel() > _SMALL_FORWARD_NUMEL or torch.compiler.is_compiling():
+        if lora.numel() > _SMALL_FORWARD_NUMEL:
             return None
         magnitude = self._parameters["weight"]
         # Autograd recording an op on W, A or B records one on the outputs too, so this check also stands for the
         # factors in `_reuse_mode`: without it, factors are reused across forwards in eval mode or with NORM_CACHE=1.
-        if dora_fused.records_grad(result, lora, magnitude):
+        if torch.is_grad_enabled() and (result.requires_grad or lora.requires_grad or magnitude.requires_grad):
             return None
-        if _reuse_mode(self) != "any":
-            return None  # factors computed every forward: the one kernel launch is cheaper
+        env = _env()
+        if env.norm_cache is False or (self.training and not env.norm_cache):
+            return None  # `_reuse_mode(self) != "any"`: factors computed every forward, the one launch is cheaper
         if lora.shape != result.shape or lora.dtype != result.dtype or lora._base is not None or magnitude.dim() != 1:
             return None
+        if env.fused is False or not dora_fused.kernels_available(lora):
+            _kernels_allowed(lora)  # raises where PEFT_DORA_FUSED=1 forces kernels that cannot run
+            return None  # the eager tier
+        if torch.compiler.is_compiling():
+            return None
         sources = (weight, source(lora_A), source(lora_B), magnitude) + (() if bias is None else (bias,))
-        if not _kernels_allowed(lora) or capturing(sources):
-            return None  # the eager tier was asked for, or a graph is captured whose replays must follow updates
+        if capturing(sources):
+            return None  # a graph is captured whose replays must follow updates
 
         def factors() -> torch.Tensor:
             weight_norm = self._forward_norm(weight, lora_A, lora_B, scaling, adapter_name)
             g = _magnitude_scale(magnitude, weight_norm, weight.dtype).float()
-            rows = (g, g * scaling) + (() if bias is None else ((1 - g) * bias.float(),))
-            return torch.stack(rows)
+            return torch.stack((g,) if bias is None else (g, (1 - g) * bias.float()))
 
-        f = memoised(self._small_memo, "any", "scale", sources, factors, extra=float(scaling))
-        out = lora.mul_(f[1]).addcmul_(result, f[0])
+        scaling = float(scaling)
+        f = self._small_memo.get(sources, scaling)  # the common case, without `memoised`'s general checks
+        if f is not None and (not f.is_inference() or torch.is_inference_mode_enabled()):
+            norm_counts["scale_reused"] += 1
+        else:
+            f = memoised(self._small_memo, "any", "scale", sources, factors, extra=scaling)
+        rows = self._small_rows
+        if not rows or rows[0] is not f:  # the rows as views, made once per value of the factors
+            rows = self._small_rows = (f, *f.unbind(0))
+        out = torch.add(result, lora, alpha=scaling, out=lora).mul_(rows[1])
         if bias is not None:
-            out.add_(f[2])
+            out.add_(rows[2])
         _record_tier(self, TIER_SMALL_FORWARD)
         return out
 
@@ -879,18 +920,19 @@ class DoraLinearVariant(_DoraVariantBase):
     @staticmethod
     def forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
         dora_layer = module.lora_magnitude_vector[active_adapter]
-        factors = dict(
-            lora_A=module.lora_A[active_adapter],
-            lora_B=module.lora_B[active_adapter],
-            scaling=module.scaling[active_adapter],
-            base_layer=_base_layer(module),
-            adapter_name=active_adapter,
-        )
+        lora_A, lora_B = module.lora_A[active_adapter], module.lora_B[active_adapter]
+        scaling, base_layer = module.scaling[active_adapter], _base_layer(module)
         dropout = module.lora_dropout[active_adapter]
-        if isinstance(dropout, nn.Identity) or not module.training:
-            return dora_layer.adapted_output(x, result, **factors)
+        if not module.training or isinstance(dropout, nn.Identity):
+            return dora_layer.adapted_output(
+                x, result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,
+                adapter_name=active_adapter,
+            )  # fmt: skip
         # with dropout the base output of the dropped-out input is needed: W·dropout(x) is recomputed in slices
-        return result + dora_layer(dropout(x), base_result=None, **factors)
+        return result + dora_layer(
+            dropout(x), lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer, base_result=None,
+            adapter_name=active_adapter,
+        )  # fmt: skip
 
 
 def _base_layer(module: nn.Module) -> nn.Module:

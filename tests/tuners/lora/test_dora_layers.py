@@ -211,3 +211,83 @@ def test_low_cpu_mem_usage_leaves_the_magnitude_on_meta():
         assert magnitude.device.type == "meta"
     assert model[0].lora_magnitude_vector["default"].weight.shape == (8,)
     assert model[2].lora_magnitude_vector["default"].weight.shape == (1, 4, 1, 1)
+
+
+def _one_linear(use_dora=True):
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 12))
+    from peft import get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["0"], use_dora=use_dora, init_lora_weights=False)
+    return get_peft_model(base, config)
+
+
+def test_lora_branch_skips_module_calls_only_where_nothing_can_see_them(monkeypatch):
+    """The LoRA branch runs as two F.linear calls for plain Linears; a hook, a wrapped forward, a global hook or a
+    Linear subclass takes nn.Module's call (and sees it), with the same output either way."""
+    model = _one_linear()
+    layer = model.base_model.model[0]
+    lora_A, lora_B = layer.lora_A["default"], layer.lora_B["default"]
+    x = torch.randn(3, 16)
+    assert dora._plain_linear(lora_A) and dora._plain_linear(lora_B)
+    expected = lora_B(lora_A(x))
+    direct = dora._lora_output(lora_A, lora_B, x)
+    assert torch.equal(direct, expected)
+
+    seen = []
+    handle = lora_A.register_forward_hook(lambda mod, args, out: seen.append("hook"))
+    assert not dora._plain_linear(lora_A)
+    assert torch.equal(dora._lora_output(lora_A, lora_B, x), expected) and seen == ["hook"]
+    layer(x)
+    assert seen == ["hook", "hook"]  # the DoRA forward itself goes through the hook
+    handle.remove()
+
+    original = lora_B.forward
+    lora_B.forward = lambda inp: seen.append("wrapped") or original(inp)  # accelerate-style instance wrapper
+    assert torch.equal(dora._lora_output(lora_A, lora_B, x), expected) and seen[-1] == "wrapped"
+    del lora_B.forward
+
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda mod, args: seen.append("global"))
+    try:
+        assert not dora._plain_linear(lora_A)
+        dora._lora_output(lora_A, lora_B, x)
+        assert seen[-2:] == ["global", "global"]
+    finally:
+        handle.remove()
+    assert dora._plain_linear(lora_A)
+
+    class MyLinear(nn.Linear):
+        pass
+
+    assert not dora._plain_linear(MyLinear(2, 2))
+
+
+def test_small_forward_matches_the_fused_composition_and_follows_a_new_magnitude(monkeypatch):
+    """Eval-mode decode path (g·(result + s·lora) with cached g) against the eager composition, with and without a
+    bias, and after the magnitude changes in place."""
+    monkeypatch.setattr(dora.dora_fused, "kernels_available", lambda t: True)  # the small path needs no kernel
+    for bias in (True, False):
+        model = _one_linear()
+        layer = model.base_model.model[0]
+        if not bias:
+            layer.base_layer.bias = None
+        model.eval()
+        x = torch.randn(1, 16)
+        with torch.no_grad():
+            monkeypatch.setenv("PEFT_DORA_FUSED", "0")
+            dora._invalidate_fused_cache()
+            expected = model(x)
+            monkeypatch.delenv("PEFT_DORA_FUSED")
+            dora._invalidate_fused_cache()
+            dora.tier_counts.clear()
+            got = model(x)
+            assert dora.tier_counts[dora.TIER_SMALL_FORWARD] == 1
+            assert_close(got, expected, torch.float32)
+            layer.lora_magnitude_vector["default"].weight.mul_(1.5)
+            monkeypatch.setenv("PEFT_DORA_FUSED", "0")
+            dora._invalidate_fused_cache()
+            expected = model(x)
+            monkeypatch.delenv("PEFT_DORA_FUSED")
+            dora._invalidate_fused_cache()
+            assert_close(model(x), expected, torch.float32)
+            assert dora.tier_counts[dora.TIER_SMALL_FORWARD] == 2
