@@ -7,35 +7,22 @@ against it (a different summation order).
     PYTHONPATH=<peft install> python benchmarks/bwd_policy.py     # writes $OUT/bwd_policy.json (or /tmp)
 """
 
-import collections
 import json
 import os
+import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from peft.tuners.lora import dora_fused as F
+
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import kernel_us  # noqa: E402
 
 
 # (target programs, max bands, old 8 x 256 column-sum tile)
 POLICIES = [(4096, 10**9, True), (4096, 128, False), (2048, 128, False), (1024, 128, False), (1024, 64, False),
             (512, 64, False), (1024, 32, False)]  # fmt: skip
-
-
-def kernel_us(fn, n: int = 20) -> dict:
-    """Mean GPU µs per call of each kernel ``fn`` launches (torch.profiler)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    agg = collections.Counter()
-    for e in p.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            agg[e.name[:40]] += e.device_time / n
-    return {k: round(v, 2) for k, v in agg.items()}
 
 
 def main() -> None:
@@ -57,7 +44,7 @@ def main() -> None:
 
             d_m = fn()[2].double()
             ref = d_m if ref is None else ref
-            kernels = kernel_us(fn)
+            kernels = kernel_us(fn, name_chars=40)
             key = f"{d_out}_p{programs}_b{max_bands}_{'old' if old_sum else 'new'}"
             rel = ((d_m - ref).abs().max() / ref.abs().max()).item()
             out[key] = {"kernels_us": kernels, "total_us": round(sum(kernels.values()), 2), "dm_rel_vs_first": rel}

@@ -3,56 +3,24 @@
 ("b"), GPU time per kernel (torch.profiler) and max relative error against fp64 for realistic
 (‖s·B·A‖ = 0.1‖W‖) and adversarial adapters. Produced ``results/split_norm_candidates.json`` (at 9b40524, where
 "cur" was the 3xTF32 Triton epilogue) and ``results/split_norm_after.json`` (at eb4bd90, "cur" = cuBLAS B·G).
+The candidate now uses the installed row-wise epilogue kernel (the runs above used a copy of it in this script), so
+it needs eb4bd90 or later.
 
     PYTHONPATH=<peft install> python benchmarks/split_norm_candidates.py norm   # $OUT/diag.json
 """
 
-import collections
 import json
 import os
 import sys
 
 import torch
 import triton
-import triton.language as tl
-from torch.profiler import ProfilerActivity, profile
 
 from peft.tuners.lora import dora_norm_triton as N
 
 
-@triton.jit
-def _epi2(
-    u_ptr,
-    bg_ptr,
-    b_ptr,
-    w_sq_ptr,
-    out_ptr,
-    n_rows,
-    rank,
-    stride_u,
-    stride_bg,
-    stride_bm,
-    stride_br,
-    two_s,
-    s2,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_rows
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for c0 in range(0, rank, BLOCK_N):
-        cols = c0 + tl.arange(0, BLOCK_N)
-        mask = row_mask[:, None] & (cols[None, :] < rank)
-        u_at = u_ptr + rows[:, None] * stride_u + cols[None, :]
-        u = tl.load(u_at, mask=mask, other=0.0) + tl.load(u_at + rank, mask=mask, other=0.0)
-        bg = tl.load(bg_ptr + rows[:, None] * stride_bg + cols[None, :], mask=mask, other=0.0)
-        b = tl.load(b_ptr + rows[:, None] * stride_bm + cols[None, :] * stride_br, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.where(mask, b * (two_s * u + s2 * bg), 0.0)
-    total = tl.sum(acc, axis=1) + tl.load(w_sq_ptr + rows, mask=row_mask, other=0.0)
-    total = tl.where(total < 0.0, 0.0, total)
-    tl.store(out_ptr + rows, tl.sqrt_rn(total), mask=row_mask)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import kernel_us  # noqa: E402
 
 
 def mm32(a, b):
@@ -77,25 +45,10 @@ def cand_b(weight, lora_A, lora_B, scale, w_sq):
     bs[:, 2 * r :].copy_(bs[:, :r])
     bg = mm32(bs, gs)
     out = torch.empty(d_out, dtype=torch.float32, device=weight.device)
-    BM = 16
-    _epi2[(triton.cdiv(d_out, BM),)](
-        u2,
-        bg,
-        lora_B,
-        w_sq,
-        out,
-        d_out,
-        r,
-        u2.stride(0),
-        bg.stride(0),
-        lora_B.stride(0),
-        lora_B.stride(1),
-        2.0 * scale,
-        scale * scale,
-        BLOCK_M=BM,
-        BLOCK_N=128,
-        enable_fp_fusion=False,
-    )
+    N._norm_epilogue_kernel[(triton.cdiv(d_out, 16),)](
+        u2, bg, lora_B, w_sq, out, d_out, r, lora_B.stride(0), lora_B.stride(1), 2.0 * scale, scale * scale,
+        BLOCK_M=16, BLOCK_N=128, enable_fp_fusion=False,
+    )  # fmt: skip
     return out
 
 
@@ -123,41 +76,30 @@ def make(d_out, d_in, r, rel, device, adversarial=False):
 
 out = {}
 dev = torch.device("cuda")
-C = sys.modules[__name__]
 
 
 def ktimes(fn, n=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    agg = collections.Counter()
-    for e in p.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            agg[e.name[:60]] += e.device_time / n
-    return {k: round(v, 2) for k, v in agg.most_common()}, round(sum(agg.values()), 1)
+    kernels = kernel_us(fn, n)
+    return kernels, round(sum(kernels.values()), 1)
 
 
 if "norm" in sys.argv:
     for d_out, d_in in [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]:
         for r in (384, 768):
-            W, A, B, s = C.make(d_out, d_in, r, 0.1, dev)
+            W, A, B, s = make(d_out, d_in, r, 0.1, dev)
             wsq = W.float().pow(2).sum(1)
-            ref = C.ref64(W, A, B, s)
+            ref = ref64(W, A, B, s)
             row = {}
-            for name, f in (("cur", C.current), ("b", C.cand_b)):
+            for name, f in (("cur", current), ("b", cand_b)):
                 o = f(W, A, B, s, wsq)
                 err = ((o.double() - ref).abs() / ref).max().item()
                 k, tot = ktimes(lambda: f(W, A, B, s, wsq))
                 row[name] = {"err": err, "gpu_us": tot, "kernels": k}
                 print(d_out, d_in, r, name, f"err {err:.2e} gpu {tot:.1f} us", k, flush=True)
-            Wa, Aa, Ba, sa = C.make(d_out, d_in, r, 3.0, dev, adversarial=True)
-            refa = C.ref64(Wa, Aa, Ba, sa)
+            Wa, Aa, Ba, sa = make(d_out, d_in, r, 3.0, dev, adversarial=True)
+            refa = ref64(Wa, Aa, Ba, sa)
             wsqa = Wa.float().pow(2).sum(1)
-            for name, f in (("cur", C.current), ("b", C.cand_b)):
+            for name, f in (("cur", current), ("b", cand_b)):
                 o = f(Wa, Aa, Ba, sa, wsqa)
                 row[name]["err_adv"] = ((o.double() - refa).abs() / refa).max().item()
             print("  adv", {k: v["err_adv"] for k, v in row.items()}, flush=True)

@@ -20,3 +20,25 @@ def loop_us(fn, sync, warmup: int, loops: int, calls: int) -> dict:
         sync()
         samples.append((time.perf_counter() - t0) / calls * 1e6)
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
+
+
+def kernel_us(fn, n: int = 20, name_chars: int = 60) -> dict:
+    """Mean GPU µs per call of ``fn``, kernel by kernel (torch.profiler, CUDA activity only), names cut to
+    ``name_chars``."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    agg = collections.Counter()
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            agg[e.name[:name_chars]] += e.device_time / n
+    return {k: round(v, 2) for k, v in agg.most_common()}
