@@ -39,7 +39,7 @@ from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 from peft.utils.other import transpose
 
 from . import dora_fused, dora_norm_triton
-from .dora_cache import Memo, capturing, identity_tracked, memoised, source, watch_merges
+from .dora_cache import Memo, capturing, identity_tracked, memoised, reused, source, watch_merges
 from .dora_cache import invalidate_norm_caches as invalidate_norm_caches  # public here, as documented
 from .dora_cache import norm_counts as norm_counts  # public here, as documented
 from .dora_graph import NormGraph
@@ -319,9 +319,9 @@ def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: tor
 
 def _split_norm_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
     """Whether ``dora_norm_triton.split_row_norm`` computes the norm of fp32 adapters on a half weight (PEFT's
-    autocast default): four or five launches (split, two GEMMs, the epilogue, which also sums the Gram's blocks,
-    and its finish) where the PyTorch form below takes eleven, and the Gram and ``B·G`` on the tensor cores instead
-    of fp32 SIMT GEMMs. Off with PEFT_DORA_FUSED=0 or PEFT_DORA_NORM_KERNEL=0 (the PyTorch form), and with
+    autocast default): seven launches (three hi/lo splits, three GEMMs, the row-wise epilogue; one graph launch in
+    training) where the PyTorch form below takes eleven, and the Gram and ``B·G`` on the tensor cores instead of
+    fp32 SIMT GEMMs. Off with PEFT_DORA_FUSED=0 or PEFT_DORA_NORM_KERNEL=0 (the PyTorch form), and with
     PEFT_DORA_NORM_KERNEL=1 (the one-pass kernel takes every norm it can)."""
     env = _env()
     if env.fused is False or env.norm_kernel is not None:
@@ -728,10 +728,9 @@ class DoraLinearLayer(nn.Module):
             return torch.stack((g,) if bias is None else (g, (1 - g) * bias.float()))
 
         scaling = float(scaling)
-        f = self._small_memo.get(sources, scaling)  # the common case, without `memoised`'s general checks
-        if f is not None and (not f.is_inference() or torch.is_inference_mode_enabled()):
-            norm_counts["scale_reused"] += 1
-        else:
+        # the common case first, without `memoised`'s checks of compile and capture (made above)
+        f = reused(self._small_memo, "scale", sources, scaling)
+        if f is None:
             f = memoised(self._small_memo, "any", "scale", sources, factors, extra=scaling)
         rows = self._small_rows
         if not rows or rows[0] is not f:  # the rows as views, made once per value of the factors

@@ -149,16 +149,25 @@ def memoised(memo: Memo, mode: Optional[str], what: str, sources, compute, extra
         return compute()  # a traced graph has no storage to identify, and counters would be side effects
     keep = mode is not None and not capturing(sources)
     if keep and (mode == "any" or torch._C._current_graph_task_id() != -1):
-        hit = memo.get(sources, extra)  # only values of identity-tracked sources are ever put
-        # an inference tensor must not reach a forward that autograd records: reused only in inference mode
-        if hit is not None and (not hit.is_inference() or torch.is_inference_mode_enabled()):
-            norm_counts[what + "_reused"] += 1
+        hit = reused(memo, what, sources, extra)
+        if hit is not None:
             return hit
     norm_counts[what + "_computed"] += 1
     value = compute()
     if keep and identity_tracked(sources):
         memo.put(sources, value, extra)
     return value
+
+
+def reused(memo: Memo, what: str, sources, extra=()) -> Optional[torch.Tensor]:
+    """``memo``'s value for ``sources`` and ``extra``, counted in ``norm_counts`` as ``what`` reused, or None. Only
+    values of identity-tracked sources are ever put. An inference tensor must not reach a forward that autograd
+    records: it is reused only in inference mode."""
+    hit = memo.get(sources, extra)
+    if hit is not None and (not hit.is_inference() or torch.is_inference_mode_enabled()):
+        norm_counts[what + "_reused"] += 1
+        return hit
+    return None
 
 
 def capturing(sources) -> bool:

@@ -434,11 +434,12 @@ def split_row_norm(
     ``W·Aᵀ`` and the Gram ``G = A·Aᵀ`` run as half-precision GEMMs on the tensor cores with ``A`` split into a hi
     and a lo half part (two launches for a chunk of ``cols`` columns, plus the split). ``B·G`` is a third GEMM, of
     ``[hi(B) | lo(B) | hi(B)]`` and ``[hi(G); hi(G); lo(G)]`` in bf16 (hi·hi + lo·hi + hi·lo, fp32 accumulation; bf16
-    rather than an fp16 W's dtype, as G grows with d_in and fp16's range is small), and one
-    row-wise kernel forms ``sqrt(max(w_sq + rowsum(B ⊙ (2s·U + s²·B·G)), 0))``. ``w_sq`` is ``||W||²_row`` (fp32
-    [d_out]). Rounding A to bf16 alone measured up to 1.1e-5 relative error in the norm (‖s·B·A‖ = 0.1‖W‖, H200),
-    above the 1e-5 contract; the split keeps it near 1e-7. ``B·G`` as a cuBLAS GEMM took a third of the time of the
-    same product in 3xTF32 inside a Triton epilogue on the H200 (a [14336, 384] B: about 60 against 188 µs).
+    rather than an fp16 W's dtype, as G grows with d_in and fp16's range is small), and one row-wise kernel forms
+    ``sqrt(max(w_sq + rowsum(B ⊙ (2s·U + s²·B·G)), 0))``. ``w_sq`` is ``||W||²_row`` (fp32 [d_out]). Rounding A to
+    bf16 alone measured up to 1.1e-5 relative error in the norm (‖s·B·A‖ = 0.1‖W‖, H200), above the 1e-5 contract;
+    the split keeps it near 1e-7. ``B·G`` through cuBLAS took less than half the time of the same product in 3xTF32
+    inside a Triton epilogue on the H200 (a [14336, 384] B: the B and Gram splits, the GEMM and the epilogue about
+    77 µs, the previous epilogue 188 µs; benchmarks/split_norm_candidates.py).
     """
     d_out, d_in = weight.shape
     r = lora_A.shape[0]

@@ -154,7 +154,7 @@ def test_ignores_autocast_and_autograd():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The split norm (fp32 adapters on a half W): split kernel, two products, epilogue (and finish) kernels.
+# The split norm (fp32 adapters on a half W): hi/lo splits, three products, the row-wise epilogue kernel.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -168,7 +168,7 @@ def _split_norm(weight, lora_A, lora_B, scale=SCALE, cols=None):
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d_out, d_in, r", [(1, 5, 1), (17, 100, 16), (130, 64, 33), (64, 130, 70), (100, 17, 130)])
 def test_split_norm_matches_fp64(d_out, d_in, r, w_dtype):
-    # r = 70 and 130 run several column blocks of the rank and the finish pass; r <= 64 one block that takes the root
+    # r = 130 takes two steps of the epilogue's walk over the rank (128 columns each); the others one, masked
     weight, lora_A, lora_B = _inputs(d_out, d_in, r, w_dtype)
     _check(_split_norm(weight, lora_A, lora_B), weight, lora_A, lora_B)
 

@@ -173,7 +173,7 @@ def test_nan_inf_and_zero_scale():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The split path (fp32 adapters on a half W, PEFT's autocast default): split kernel, two GEMMs, epilogue kernel.
+# The split path (fp32 adapters on a half W, PEFT's autocast default): hi/lo splits, three GEMMs, epilogue kernel.
 # ---------------------------------------------------------------------------------------------------------------
 
 
