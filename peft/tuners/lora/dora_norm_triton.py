@@ -398,7 +398,7 @@ _SPLIT_MAX_RANK = 16384
 def split_norm_supported(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
     """True when :func:`split_row_norm` can take these tensors: a bf16/fp16 ``W`` with fp32 ``A`` (``B`` fp32, bf16
     or fp16), all 2-D and chained, non-empty, on one CUDA device (or the interpreter), rank at most
-    ``_SPLIT_MAX_RANK`` (the epilogue indexes the [2r, 2r] Gram in int32)."""
+    ``_SPLIT_MAX_RANK`` (the Gram split kernel forms block offsets of 2·r² in int32)."""
     if weight.dtype not in _HALF_DTYPES or lora_A.dtype != torch.float32 or lora_B.dtype not in _KERNEL_DTYPES:
         return False
     if _unsupported(weight, lora_A, lora_B) is not None or lora_A.shape[0] > _SPLIT_MAX_RANK:
