@@ -2,7 +2,8 @@
 bench_model's Llama default (8 layers, 4096/14336, seq 4096, r = 384, checkpointing), autocast mode.
 
 Per implementation: five timed steps (CUDA events around each; host issue time to the end of ``backward()``, and to
-the end of the forward), then one step under torch.profiler, whose kernel intervals give the GPU busy time, the idle
+the end of the forward), one step for the peak memory over the allocation before it (gradients dropped, as
+bench_model measures it), then one step under torch.profiler, whose kernel intervals give the GPU busy time, the idle
 gaps (total per tenth of the step) and the kernel totals by name; for DoRA also ``graph_counts``, ``tier_counts``
 and ``norm_counts``. Run it once per peft install to compare revisions on one machine:
 
@@ -76,7 +77,13 @@ def run(impl: str, cfg: dict, dev: torch.device, mode: str) -> dict:
         walls.append(round(s.elapsed_time(e), 2))
         hosts.append(round((t1 - t0) * 1e3, 2))
         fwd_hosts.append(round((marks["fwd_end"] - t0) * 1e3, 2))
+    model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
+    static = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak_delta_mb = (torch.cuda.max_memory_allocated() - static) / 2**20
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
         step()
         torch.cuda.synchronize()
@@ -87,7 +94,8 @@ def run(impl: str, cfg: dict, dev: torch.device, mode: str) -> dict:
         totals[e.name[:70]] += e.device_time
         counts[e.name[:70]] += 1
     out = {
-        "wall_ms": walls, "host_ms": hosts, "fwd_host_ms": fwd_hosts, "prof_span_ms": span / 1e3,
+        "wall_ms": walls, "host_ms": hosts, "fwd_host_ms": fwd_hosts, "peak_delta_mb": round(peak_delta_mb, 2),
+        "prof_span_ms": span / 1e3,
         "busy_ms": busy / 1e3, "idle_by_decile_ms": [round(x / 1e3, 2) for x in tenths],
         "big_gaps": [round(g / 1e3, 3) for g in big],
         "kernels_ms": {k: (round(v / 1e3, 3), counts[k]) for k, v in totals.most_common(45)},

@@ -548,6 +548,39 @@ def _lora_output(lora_A: nn.Module, lora_B: nn.Module, x: torch.Tensor) -> torch
     return lora_B(lora_A(x))
 
 
+_ONE_NODE_BRANCH = True  # tests switch it off to compare with the separate LoRA-branch nodes
+
+
+def _plain_branch(lora_A: nn.Module, lora_B: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(A, B) where the LoRA branch is exactly ``F.linear(F.linear(x, A), B)`` with nothing else to see the calls:
+    two plain Linears without bias (see :func:`_plain_linear`) holding plain parameters; otherwise None."""
+    if not (_plain_linear(lora_A) and _plain_linear(lora_B)):
+        return None
+    params_a, params_b = lora_A._parameters, lora_B._parameters
+    weight_a, weight_b = params_a.get("weight"), params_b.get("weight")
+    if type(weight_a) is not nn.Parameter or type(weight_b) is not nn.Parameter:
+        return None
+    if params_a.get("bias") is not None or params_b.get("bias") is not None:
+        return None
+    return weight_a, weight_b
+
+
+def _branch_applies(a: torch.Tensor, result: torch.Tensor, weight_b: torch.Tensor) -> bool:
+    """Whether :class:`~.dora_fused.FusedDoRALinearFunction` computes ``F.linear(a, B)`` as F.linear would: in
+    ``a``'s dtype (autocast's, or B's own without autocast), which ``result`` shares, with shapes that fit (F.linear's
+    own errors come from the separate call otherwise)."""
+    dtype, kernel_dtypes = a.dtype, dora_fused._KERNEL_DTYPES
+    if dtype not in kernel_dtypes or result.dtype != dtype or weight_b.dim() != 2 or a.dim() == 0:
+        return False
+    if weight_b.dtype != dtype and (
+        weight_b.dtype not in kernel_dtypes or not torch.is_autocast_enabled(a.device.type)
+    ):
+        return False
+    d_out, rank = weight_b.shape
+    shape = result.shape
+    return a.shape[-1] == rank and shape[-1] == d_out and a.shape[:-1] == shape[:-1]
+
+
 class DoraLinearLayer(nn.Module):
     """Magnitude vector and DoRA contribution of one adapter on a Linear (or GPT-2 ``Conv1D``) layer."""
 
@@ -680,8 +713,17 @@ class DoraLinearLayer(nn.Module):
         """``result + forward(x, base_result=result)`` (no dropout on ``x``), through the one-pass output kernel where
         it applies: the output is then written once and ``g`` never materialises."""
         weight = _forward_weight(base_layer)
-        lora_result = _lora_output(lora_A, lora_B, x)
         bias = base_layer.bias
+        weights = _plain_branch(lora_A, lora_B)
+        if weights is None:
+            lora_result = _lora_output(lora_A, lora_B, x)
+        else:
+            a = F.linear(x, weights[0])
+            if _ONE_NODE_BRANCH and torch.is_grad_enabled():
+                out = self._branch_output(a, result, weight, weights, bias, scaling, adapter_name)
+                if out is not None:
+                    return out
+            lora_result = F.linear(a, weights[1])
         out = self._small_output(result, lora_result, weight, lora_A.weight, lora_B.weight, bias, scaling, adapter_name)
         if out is not None:
             return out
@@ -692,6 +734,28 @@ class DoraLinearLayer(nn.Module):
         g = self._scale(weight_norm, weight.dtype)
         base_result = result if bias is None else result - bias
         return result + _compose_with_dispatch(lora_result, base_result, g, scaling, self)
+
+    def _branch_output(self, a, result, weight, weights, bias, scaling, adapter_name):
+        """The training forward (grad mode on) with ``lora_B`` inside the output's autograd node
+        (:class:`~.dora_fused.FusedDoRALinearFunction`), or None where it does not apply: nothing to differentiate,
+        dtypes or layouts the kernels leave alone, torch.compile, the fused tiers switched off."""
+        weight_a, weight_b = weights
+        magnitude = self._parameters["weight"]
+        if not (a.requires_grad or result.requires_grad or weight_b.requires_grad or magnitude.requires_grad):
+            return None
+        env = _env()
+        if env.fused is False or env.fused_backward is False or not dora_fused.kernels_available(result):
+            return None
+        if torch.compiler.is_compiling() or not _branch_applies(a, result, weight_b):
+            return None
+        weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
+        if not dora_fused.linear_output_supported(result, bias, magnitude, weight_norm):
+            return None
+        _record_tier(self, TIER_FUSED_BACKWARD)
+        eps = _eps_for(weight.dtype)
+        return dora_fused.FusedDoRALinearFunction.apply(
+            result, a, weight_b, magnitude, weight_norm, bias, float(scaling), eps
+        )
 
     def _small_output(self, result, lora, weight, lora_A, lora_B, bias, scaling, adapter_name):
         """The fused forward for few rows (decode), or None where it does not apply.

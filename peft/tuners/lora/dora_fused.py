@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from .dora_cache import _epoch as _norm_epoch
 from .dora_launch import _HAS_TRITON, _INTERPRET
@@ -44,6 +45,7 @@ from .dora_launch import next_pow2 as _next_pow2
 
 __all__ = [
     "FusedDoRAComposeFunction",
+    "FusedDoRALinearFunction",
     "FusedDoRAOutputFunction",
     "fused_dora_compose",
     "fused_dora_compose_autograd",
@@ -135,27 +137,33 @@ if _HAS_TRITON:
     @Launcher
     @triton.jit
     def _backward_kernel(
-        d_out_ptr, inner_ptr, g_ptr, norm_ptr, bias_ptr, d_lora_ptr, d_base_ptr, partial_ptr,
+        d_out_ptr, inner_ptr, g_ptr, norm_ptr, bias_ptr, d_lora_ptr, d_base_ptr, partial_ptr, gs_ptr,
         n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, stride_d_lora, stride_d_base, scale, eps,
         NEED_LORA: tl.constexpr, NEED_BASE: tl.constexpr, NEED_MAG: tl.constexpr, ONE_PASS: tl.constexpr,
-        FROM_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        FROM_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_GS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         """d_lora = g·(s·d_out), d_base = (g - 1)·d_out, and stage one of d_g: this program's column sums of
         inner·d_out over its ``rows_per_program`` rows, written to row ``pid // n_col_blocks`` of ``partial``.
         ONE_PASS gives the gradients of the one-pass output: ``g_ptr`` holds m and g = m / max(w_norm, eps) is formed
         here, and d_base is that of ``result``, g·d_out (result enters once directly and once through base).
         FROM_OUTPUT: ``inner_ptr`` holds the output y = bias + g·inner, and the sums are of (y - bias)·d_out (the
-        column sum then divides by m). A fixed tile order and a fixed in-register tree make the partial sums bitwise
-        repeatable (no atomics)."""
+        column sum then divides by m). WRITE_GS: the programs of the first band also store g·s per column to
+        ``gs_ptr`` (fp32), for a caller that applies the LoRA branch's scale to B instead of to d_out. A fixed tile
+        order and a fixed in-register tree make the partial sums bitwise repeatable (no atomics)."""
         pid = tl.program_id(0).to(tl.int64)
         n_col_blocks = tl.cdiv(n_cols, BLOCK_N)
         band = pid // n_col_blocks
         cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
         if ONE_PASS:
-            g = _magnitude_scale(g_ptr, norm_ptr, cols, col_mask, eps)[None, :]
+            g_cols = _magnitude_scale(g_ptr, norm_ptr, cols, col_mask, eps)
         else:
-            g = tl.load(g_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            g_cols = tl.load(g_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if WRITE_GS:
+            if band == 0:
+                tl.store(gs_ptr + cols, g_cols * scale, mask=col_mask)
+        g = g_cols[None, :]
         if HAS_BIAS:
             bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -285,18 +293,33 @@ def _output_layout(result, lora, bias, magnitude, weight_norm) -> tuple[int, int
     contiguous [d_out] vector, ``weight_norm`` fp32 of the same shape, ``bias`` absent or a frozen [d_out] vector.
     """
     layout = _layout(lora, result, magnitude)
-    if layout is None or magnitude.dim() != 1 or lora._base is not None:
-        return None
-    if weight_norm.dtype != torch.float32 or weight_norm.shape != magnitude.shape or not weight_norm.is_contiguous():
-        return None
-    if weight_norm.device != lora.device:
-        return None
-    if bias is not None and (
-        bias.shape != magnitude.shape or bias.dtype not in _KERNEL_DTYPES or not bias.is_contiguous()
-        or bias.device != lora.device or bias.requires_grad
-    ):  # fmt: skip
+    if layout is None or lora._base is not None or not _output_operands(result, bias, magnitude, weight_norm):
         return None
     return layout[1], layout[0]
+
+
+def _output_operands(result, bias, magnitude, weight_norm) -> bool:
+    """The one-pass output's rules for its [d_out] operands, given a ``result`` that ``_layout`` accepts."""
+    if magnitude.dim() != 1 or weight_norm.dtype != torch.float32 or weight_norm.shape != magnitude.shape:
+        return False
+    if not weight_norm.is_contiguous() or weight_norm.device != result.device:
+        return False
+    return bias is None or (
+        bias.shape == magnitude.shape and bias.dtype in _KERNEL_DTYPES and bias.is_contiguous()
+        and bias.device == result.device and not bias.requires_grad
+    )  # fmt: skip
+
+
+def linear_output_supported(result, bias, magnitude, weight_norm) -> bool:
+    """Whether :class:`FusedDoRALinearFunction` takes these tensors (its LoRA output is a fresh ``result``-shaped
+    buffer, so ``result`` stands in for it); the caller checks the branch's shapes, dtypes and devices."""
+    if result.dtype not in _KERNEL_DTYPES or magnitude.dtype not in _KERNEL_DTYPES or _row_stride(result) is None:
+        return False
+    if magnitude.dim() != 1 or magnitude.shape[0] != result.shape[-1] or magnitude.device != result.device:
+        return False
+    return (magnitude.shape[0] < 2 or magnitude.stride(0) == 1) and _output_operands(
+        result, bias, magnitude, weight_norm
+    )
 
 
 def output_supported(result, lora, bias, magnitude, weight_norm) -> bool:
@@ -379,12 +402,12 @@ def _compose_triton(lora, base, g, scale, out, inner=None, strides=None):
 
 def _backward_triton(
     d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad, strides=None, norm=None, eps=0.0,
-    bias=None, from_output=False,
+    bias=None, from_output=False, gs_out=None,
 ):  # fmt: skip
     """Gradients of the composition. With ``norm`` given, ``g`` is the magnitude m (g = m / max(norm, eps) is formed
     in the kernel), the base gradient is that of ``result`` in the one-pass output (g·d_out) and the magnitude
     gradient is d_m rather than d_g; with ``from_output`` too, ``inner`` is the output y and d_m comes from
-    (y - bias)·d_out."""
+    (y - bias)·d_out. ``gs_out`` (fp32 [d_out]) receives g·s."""
     stride_d_out, stride_inner = strides or (_row_stride(d_out), _row_stride(inner if needs_mag_grad else d_out))
     n_cols = d_out.shape[-1]
     n_rows = d_out.numel() // n_cols
@@ -401,9 +424,10 @@ def _backward_triton(
     _backward_kernel[(bands * n_col_blocks,)](
         d_out, inner if needs_mag_grad else d_out, g, norm if from_mag else g, g if bias is None else bias,
         d_lora if needs_lora_grad else d_out, d_base if needs_base_grad else d_out, partial,
+        d_out if gs_out is None else gs_out,
         n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, n_cols, n_cols, float(scale), float(eps),
         NEED_LORA=needs_lora_grad, NEED_BASE=needs_base_grad, NEED_MAG=needs_mag_grad, ONE_PASS=from_mag,
-        FROM_OUTPUT=from_output, HAS_BIAS=from_output and bias is not None,
+        FROM_OUTPUT=from_output, HAS_BIAS=from_output and bias is not None, WRITE_GS=gs_out is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     if needs_mag_grad:
@@ -656,6 +680,97 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
                 d_y, inner, magnitude, weight_norm, ctx.scale, ctx.eps, *needs, bias, ctx.from_output
             )
         return d_result, d_lora, d_mag, None, None, None, None, None
+
+
+def _check_version(t: torch.Tensor, version: int, what: str) -> None:
+    """Autograd's check for a saved input, for the inputs a node keeps as attributes."""
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"the DoRA {what} {tuple(t.shape)} is at version {t._version}; expected version {version} instead (it "
+            "was changed in place between the forward and this backward)"
+        )
+
+
+class FusedDoRALinearFunction(torch.autograd.Function):
+    """A DoRA Linear's ``lora_B`` matmul and output in one autograd node: ``lora = a·Bᵀ`` (cuBLAS, in ``a``'s dtype)
+    and ``y = result + ((g - 1)·(result - bias) + g·(s·lora))`` written into ``lora``'s buffer, where ``a = x·Aᵀ`` is
+    the ``lora_A`` output (an ordinary autograd matmul).
+
+    Owning the ``lora_B`` matmul changes what training moves and keeps, not the math:
+
+    * the backward applies g·s to B (``[d_out, r]``) instead of to the incoming gradient: ``d_a = d_y·(g·s·B)``,
+      ``d_B = (g·s)·(d_yᵀ·a)``, so the ``[tokens, d_out]`` gradient of the LoRA output is never written or read
+      (it is rounded once less, too);
+    * B's compute-dtype copy is made in the forward and the backward instead of being saved (under autocast,
+      PyTorch's matmul saves it, and its cast cache holds every adapter's copy until the autocast region ends);
+    * the saved tensors are ``a`` and ``y`` (or ``inner``), as for separate nodes.
+
+    ``dtype`` is ``a``'s dtype, which the caller checks is what ``F.linear(a, B)`` would compute in (autocast's, or
+    B's own) and ``result``'s. B and m are kept as attributes, their version counters checked in backward as autograd
+    would for saved inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, result, a, weight_b, magnitude, weight_norm, bias, scale, eps):
+        lora = F.linear(a, weight_b.to(a.dtype))
+        needs_mag = ctx.needs_input_grad[3]
+        from_output = needs_mag and _output_saves_itself(magnitude)
+        inner = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device) if needs_mag and not from_output else None
+        if lora.numel() > 0:
+            strides = (_row_stride(result), lora.shape[-1])
+            _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, inner, strides)
+        ctx.save_for_backward(a, lora if from_output else inner)
+        ctx.weights = (weight_b, magnitude, weight_norm, bias)
+        ctx.versions = (weight_b._version, magnitude._version)
+        ctx.scale, ctx.eps, ctx.from_output = scale, eps, from_output
+        return lora
+
+    @staticmethod
+    def backward(ctx, d_y):
+        a, saved = ctx.saved_tensors
+        weight_b, magnitude, weight_norm, bias = ctx.weights
+        if weight_b._version != ctx.versions[0] or magnitude._version != ctx.versions[1]:
+            _check_version(weight_b, ctx.versions[0], "lora_B")
+            _check_version(magnitude, ctx.versions[1], "magnitude")
+        needs_result, needs_a, needs_b, needs_mag = ctx.needs_input_grad[:4]
+        needs_branch = needs_a or needs_b
+        d_out = d_y.shape[-1]
+        layout = None
+        if d_y.numel() > 0 and kernels_available(d_y):
+            layout = _layout(d_y, saved if needs_mag else d_y, magnitude)
+        gs = None  # g·s as a column [d_out, 1]: scales B's rows before d_a and d_B's rows after
+        if layout is not None:
+            gs = torch.empty((d_out, 1), dtype=torch.float32, device=d_y.device) if needs_branch else None
+            _, d_result, d_mag = _backward_triton(
+                d_y, saved, magnitude, ctx.scale, False, needs_result, needs_mag, layout, weight_norm, ctx.eps,
+                bias, ctx.from_output, gs_out=gs,
+            )  # fmt: skip
+            d_lora = d_y
+        else:  # a layout the kernel leaves alone (e.g. a broadcast gradient), or zero tokens: d_lora = g·s·d_y
+            d_result, d_lora, d_mag = _output_backward_torch(
+                d_y, saved, magnitude, weight_norm, ctx.scale, ctx.eps, needs_result, needs_branch, needs_mag, bias,
+                ctx.from_output,
+            )  # fmt: skip
+        d_a = d_b = None
+        if needs_branch:
+            d_lora = d_lora.reshape(-1, d_out)
+        if needs_a:
+            b_c = weight_b.to(a.dtype) if gs is None else torch.mul(weight_b, gs, out=_like(weight_b, a.dtype))
+            d_a = torch.mm(d_lora, b_c).view(a.shape)
+        if needs_b:
+            d_b = torch.mm(d_lora.t(), a.reshape(-1, a.shape[-1]))
+            if gs is None:
+                d_b = d_b.to(weight_b.dtype)
+            elif weight_b.dtype == torch.float32:
+                d_b = torch.mul(d_b, gs)  # promoted to fp32 by gs
+            else:
+                d_b = torch.mul(d_b, gs, out=_like(weight_b))
+        return d_result, d_a, d_b, d_mag, None, None, None, None
+
+
+def _like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype if dtype is None else dtype, device=t.device)
 
 
 def _fused_backward(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad):

@@ -354,3 +354,146 @@ def test_small_eval_forward_reuses_its_factors(dora_env, monkeypatch, dtype):
         dora.tier_counts.clear()
         peft_model(x)
         assert dora.tier_counts == {dora.TIER_FUSED_FORWARD: 2}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The LoRA branch inside the output's node (FusedDoRALinearFunction).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _branch_model(bias, dtype=torch.float32, d_in=24, d_out=40, r=6):
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(d_in, d_out, bias=bias), nn.Linear(d_out, 33, bias=bias))
+    config = LoraConfig(target_modules=["0", "1"], use_dora=True, init_lora_weights=False, r=r, lora_alpha=4)
+    return get_peft_model(model, config).to(dtype)
+
+
+def _branch_step(model, x, mode, one_node, monkeypatch, d_y=None, checkpointed=False, hook=None):
+    """Output, input gradient and parameter gradients of one training step, and how many one-node branches ran."""
+    import contextlib
+
+    from torch.utils.checkpoint import checkpoint
+
+    from peft.tuners.lora import dora
+
+    monkeypatch.setattr(dora, "_ONE_NODE_BRANCH", one_node)
+    calls = []
+    original = F.FusedDoRALinearFunction.forward
+    monkeypatch.setattr(F.FusedDoRALinearFunction, "forward", staticmethod(lambda *a: calls.append(1) or original(*a)))
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(x.is_floating_point())
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext()
+    with ctx:
+        y = checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
+    y.backward(torch.ones_like(y) if d_y is None else d_y)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return y.detach(), x.grad, grads, len(calls)
+
+
+@pytest.mark.parametrize("checkpointed", (False, True))
+@pytest.mark.parametrize("bias", (False, True))
+@pytest.mark.parametrize("mode", ("fp32", "autocast", "bf16"))
+def test_one_node_branch_matches_separate_nodes(mode, bias, checkpointed, monkeypatch):
+    """The same output bitwise as the separate LoRA-branch nodes (the forward does the same matmuls and kernel);
+    gradients equal in fp32; in bf16 both are compared with an fp64 run: g·s is applied to B instead of to d_y, one
+    rounding of a [tokens, d_out] tensor fewer, so the one-node gradients are no further from fp64."""
+    import copy
+
+    model = _branch_model(bias, torch.bfloat16 if mode == "bf16" else torch.float32)
+    x = torch.randn(4, 9, 24, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.float32 if mode == "fp32" else torch.bfloat16)
+    d_y = torch.randn(4, 9, 33, generator=torch.Generator().manual_seed(2)).to(x.dtype)
+    y1, dx1, g1, n1 = _branch_step(model, x, mode, True, monkeypatch, d_y, checkpointed)
+    y0, dx0, g0, n0 = _branch_step(model, x, mode, False, monkeypatch, d_y, checkpointed)
+    assert (n1, n0) == ((4 if checkpointed else 2), 0)
+    assert torch.equal(y1, y0)
+    assert sorted(g1) == sorted(g0) and len(g1) == 6
+    if mode == "fp32":
+        assert_close(dx1, dx0)
+        for name in g0:
+            assert g1[name].dtype == g0[name].dtype
+            assert_close(g1[name], g0[name])
+        return
+    _, dx_ref, g_ref, _ = _branch_step(
+        copy.deepcopy(model).double(), x.double(), "fp64", False, monkeypatch, d_y.double()
+    )
+
+    def err(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    for got, sep, ref in [(dx1, dx0, dx_ref)] + [(g1[n], g0[n], g_ref[n]) for n in g0]:
+        assert got.dtype == sep.dtype
+        assert err(got, ref) <= 1.25 * err(sep, ref) + 1e-4 and err(got, ref) < 2e-2
+
+
+def test_one_node_branch_frozen_parts_zero_tokens_and_broadcast_gradient(monkeypatch):
+    """Frozen A and B (only x and m need gradients), a frozen magnitude, zero tokens, and a stride-0 incoming
+    gradient (the PyTorch twin of the backward) all agree with the separate nodes."""
+    model = _branch_model(True)
+    x = torch.randn(3, 24, generator=torch.Generator().manual_seed(3))
+    for name, p in model.named_parameters():
+        p.requires_grad_("magnitude" in name)
+    y1, dx1, g1, n1 = _branch_step(model, x, "fp32", True, monkeypatch)  # ones_like: the broadcast twin path
+    y0, dx0, g0, _ = _branch_step(model, x, "fp32", False, monkeypatch)
+    assert n1 == 2 and torch.equal(y1, y0) and sorted(g1) == sorted(g0) and len(g1) == 2
+    assert_close(dx1, dx0)
+    for name in g0:
+        assert_close(g1[name], g0[name])
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_A" in name or "lora_B" in name)
+    y1, dx1, g1, _ = _branch_step(model, x, "fp32", True, monkeypatch, d_y=torch.randn(3, 33))
+    y0, dx0, g0, _ = _branch_step(model, x, "fp32", False, monkeypatch, d_y=y1.clone().normal_())
+    assert len(g1) == 4
+    empty = torch.randn(0, 24)
+    y1, dx1, g1, n1 = _branch_step(model, empty, "fp32", True, monkeypatch)
+    assert n1 == 2 and y1.shape == (0, 33) and dx1.shape == (0, 24)
+    assert all(torch.count_nonzero(g) == 0 for g in g1.values()) and len(g1) == 4
+
+
+def test_one_node_branch_saves_no_copy_of_b(monkeypatch):
+    """Under autocast the separate nodes save bf16 copies of A and B for their backward; with lora_B inside the
+    output's node only A's copy is saved (by lora_A's matmul), with x, a = x·Aᵀ and y. Its backward refuses a B
+    changed in place after the forward."""
+    from peft.tuners.lora import dora
+
+    model = _branch_model(False, d_in=24, d_out=40, r=6)
+    x = torch.randn(5, 24, dtype=torch.bfloat16, requires_grad=True)
+    shapes = {}
+    for one_node in (True, False):
+        monkeypatch.setattr(dora, "_ONE_NODE_BRANCH", one_node)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(x)
+        shapes[one_node] = saved
+    base_weights = [(24, 40), (40, 33)]  # W·x saves the (cast, transposed) frozen base weights either way
+    a_copies = [(24, 6), (40, 6)]  # Aᵀ of both layers, saved by lora_A's matmul
+    activations = [(5, 24), (5, 6), (5, 40), (5, 40), (5, 6), (5, 33)]  # x, a, y per layer
+    assert sorted(shapes[True]) == sorted(base_weights + a_copies + activations)
+    assert sorted(shapes[False]) == sorted(shapes[True] + [(6, 40), (6, 33)])  # plus Bᵀ of both layers
+    monkeypatch.setattr(dora, "_ONE_NODE_BRANCH", True)
+    y = model(x.float())
+    with torch.no_grad():
+        model.base_model.model[0].lora_B["default"].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: the DoRA lora_B"):
+        y.sum().backward()
+
+
+def test_one_node_branch_steps_aside_for_hooks_and_lora_bias(monkeypatch):
+    """A hook on lora_A (it must see the call) or a LoRA bias takes the separate nodes, with the same output."""
+    model = _branch_model(False)
+    x = torch.randn(4, 24)
+    y1, *_, n1 = _branch_step(model, x, "fp32", True, monkeypatch)
+    seen = []
+    handle = model.base_model.model[0].lora_A["default"].register_forward_hook(lambda *a: seen.append(1))
+    y2, *_, n2 = _branch_step(model, x, "fp32", True, monkeypatch)
+    handle.remove()
+    assert (n1, n2, len(seen)) == (2, 1, 1) and torch.equal(y1, y2)
+    lora_B = model.base_model.model[1].lora_B["default"]
+    lora_B.bias = torch.nn.Parameter(torch.zeros(33))
+    y3, *_, n3 = _branch_step(model, x, "fp32", True, monkeypatch)
+    assert n3 == 1 and torch.equal(y1, y3)
