@@ -517,6 +517,10 @@ def cache_decorator(cache_key: str):
 def _forward_weight(base_layer: nn.Module) -> torch.Tensor:
     """The base weight for the forward; plain parameters skip upstream's dequantize probe, whose type-name string
     test Dynamo cannot trace (a graph break per DoRA layer under torch.compile)."""
+    if type(base_layer) is nn.Linear:  # its parameters straight from the dict (nn.Module.__getattr__ costs time)
+        weight = base_layer._parameters["weight"]
+        if type(weight) is nn.Parameter:
+            return weight
     weight = getattr(base_layer, "weight", None)
     # an attribute probe that fails costs an exception inside nn.Module.__getattr__: skipped for a plain Linear
     if type(weight) is nn.Parameter and (type(base_layer) is nn.Linear or not hasattr(base_layer, "W_q")):
@@ -713,10 +717,11 @@ class DoraLinearLayer(nn.Module):
         """``result + forward(x, base_result=result)`` (no dropout on ``x``), through the one-pass output kernel where
         it applies: the output is then written once and ``g`` never materialises."""
         weight = _forward_weight(base_layer)
-        bias = base_layer.bias
+        bias = base_layer._parameters["bias"] if type(base_layer) is nn.Linear else base_layer.bias
         weights = _plain_branch(lora_A, lora_B)
         if weights is None:
             lora_result = _lora_output(lora_A, lora_B, x)
+            weights = (lora_A.weight, lora_B.weight)
         else:
             a = F.linear(x, weights[0])
             if _ONE_NODE_BRANCH and torch.is_grad_enabled():
@@ -724,11 +729,12 @@ class DoraLinearLayer(nn.Module):
                 if out is not None:
                     return out
             lora_result = F.linear(a, weights[1])
-        out = self._small_output(result, lora_result, weight, lora_A.weight, lora_B.weight, bias, scaling, adapter_name)
+        out = self._small_output(result, lora_result, weight, *weights, bias, scaling, adapter_name)
         if out is not None:
             return out
-        weight_norm = self._forward_norm(weight, lora_A.weight, lora_B.weight, scaling, adapter_name)
-        out = _output_with_dispatch(result, lora_result, bias, self.weight, weight_norm, scaling, weight.dtype, self)
+        weight_norm = self._forward_norm(weight, *weights, scaling, adapter_name)
+        magnitude = self._parameters["weight"]
+        out = _output_with_dispatch(result, lora_result, bias, magnitude, weight_norm, scaling, weight.dtype, self)
         if out is not None:
             return out
         g = self._scale(weight_norm, weight.dtype)
@@ -982,10 +988,13 @@ class DoraLinearVariant(_DoraVariantBase):
 
     @staticmethod
     def forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
-        dora_layer = module.lora_magnitude_vector[active_adapter]
-        lora_A, lora_B = module.lora_A[active_adapter], module.lora_B[active_adapter]
+        # submodules straight from the module dicts: nn.Module.__getattr__ and ModuleDict.__getitem__ cost host time
+        # in every forward (a decode step runs this once per adapted Linear)
+        modules = module._modules
+        dora_layer = modules["lora_magnitude_vector"]._modules[active_adapter]
+        lora_A, lora_B = modules["lora_A"]._modules[active_adapter], modules["lora_B"]._modules[active_adapter]
         scaling, base_layer = module.scaling[active_adapter], _base_layer(module)
-        dropout = module.lora_dropout[active_adapter]
+        dropout = modules["lora_dropout"]._modules[active_adapter]
         if not module.training or isinstance(dropout, nn.Identity):
             return dora_layer.adapted_output(
                 x, result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,

@@ -756,7 +756,11 @@ class FusedDoRALinearFunction(torch.autograd.Function):
         if needs_branch:
             d_lora = d_lora.reshape(-1, d_out)
         if needs_a:
-            b_c = weight_b.to(a.dtype) if gs is None else torch.mul(weight_b, gs, out=_like(weight_b, a.dtype))
+            b_c = (
+                weight_b.to(a.dtype)
+                if gs is None
+                else torch.mul(weight_b, gs, out=torch.empty_like(weight_b, dtype=a.dtype))
+            )
             d_a = torch.mm(d_lora, b_c).view(a.shape)
         if needs_b:
             d_b = torch.mm(d_lora.t(), a.reshape(-1, a.shape[-1]))
@@ -765,12 +769,8 @@ class FusedDoRALinearFunction(torch.autograd.Function):
             elif weight_b.dtype == torch.float32:
                 d_b = torch.mul(d_b, gs)  # promoted to fp32 by gs
             else:
-                d_b = torch.mul(d_b, gs, out=_like(weight_b))
+                d_b = torch.mul(d_b, gs, out=torch.empty_like(weight_b))
         return d_result, d_a, d_b, d_mag, None, None, None, None
-
-
-def _like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype if dtype is None else dtype, device=t.device)
 
 
 def _fused_backward(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad):
