@@ -756,11 +756,10 @@ class FusedDoRALinearFunction(torch.autograd.Function):
         if needs_branch:
             d_lora = d_lora.reshape(-1, d_out)
         if needs_a:
-            b_c = (
-                weight_b.to(a.dtype)
-                if gs is None
-                else torch.mul(weight_b, gs, out=torch.empty_like(weight_b, dtype=a.dtype))
-            )
+            if gs is None:
+                b_c = weight_b.to(a.dtype)
+            else:
+                b_c = torch.mul(weight_b, gs, out=torch.empty_like(weight_b, dtype=a.dtype))
             d_a = torch.mm(d_lora, b_c).view(a.shape)
         if needs_b:
             d_b = torch.mm(d_lora.t(), a.reshape(-1, a.shape[-1]))
