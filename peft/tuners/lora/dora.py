@@ -517,13 +517,15 @@ def cache_decorator(cache_key: str):
 def _forward_weight(base_layer: nn.Module) -> torch.Tensor:
     """The base weight for the forward; plain parameters skip upstream's dequantize probe, whose type-name string
     test Dynamo cannot trace (a graph break per DoRA layer under torch.compile)."""
-    if type(base_layer) is nn.Linear:  # its parameters straight from the dict (nn.Module.__getattr__ costs time)
-        weight = base_layer._parameters["weight"]
-        if type(weight) is nn.Parameter:
-            return weight
-    weight = getattr(base_layer, "weight", None)
-    # an attribute probe that fails costs an exception inside nn.Module.__getattr__: skipped for a plain Linear
-    if type(weight) is nn.Parameter and (type(base_layer) is nn.Linear or not hasattr(base_layer, "W_q")):
+    if type(base_layer) is nn.Linear:
+        # straight from the dict (nn.Module.__getattr__ costs time), and no probe for a quantized weight's `W_q`
+        weight = base_layer._parameters.get("weight")
+    else:
+        weight = getattr(base_layer, "weight", None)
+        # an attribute probe that fails costs an exception inside nn.Module.__getattr__, hence not for a plain Linear
+        if type(weight) is nn.Parameter and hasattr(base_layer, "W_q"):
+            weight = None
+    if type(weight) is nn.Parameter:
         return weight
     return dequantize_module_weight(base_layer)
 

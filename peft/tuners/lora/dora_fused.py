@@ -313,13 +313,7 @@ def _output_operands(result, bias, magnitude, weight_norm) -> bool:
 def linear_output_supported(result, bias, magnitude, weight_norm) -> bool:
     """Whether :class:`FusedDoRALinearFunction` takes these tensors (its LoRA output is a fresh ``result``-shaped
     buffer, so ``result`` stands in for it); the caller checks the branch's shapes, dtypes and devices."""
-    if result.dtype not in _KERNEL_DTYPES or magnitude.dtype not in _KERNEL_DTYPES or _row_stride(result) is None:
-        return False
-    if magnitude.dim() != 1 or magnitude.shape[0] != result.shape[-1] or magnitude.device != result.device:
-        return False
-    return (magnitude.shape[0] < 2 or magnitude.stride(0) == 1) and _output_operands(
-        result, bias, magnitude, weight_norm
-    )
+    return _layout(result, result, magnitude) is not None and _output_operands(result, bias, magnitude, weight_norm)
 
 
 def output_supported(result, lora, bias, magnitude, weight_norm) -> bool:
@@ -623,6 +617,16 @@ def _output_saves_itself(magnitude: torch.Tensor) -> bool:
     return no_zero
 
 
+def _check_version(t: torch.Tensor, version: int, what: str) -> None:
+    """Autograd's check for a saved input, for the inputs a node keeps as attributes."""
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"the DoRA {what} {tuple(t.shape)} is at version {t._version}; expected version {version} instead (it "
+            "was changed in place between the forward and this backward)"
+        )
+
+
 class FusedDoRAOutputFunction(torch.autograd.Function):
     """The whole DoRA tail of a Linear in one autograd node: ``y = result + ((g - 1)·base + g·(s·lora))`` with
     ``base = result - bias`` and ``g = m / max(w_norm, eps)`` formed in the kernel (the norm is a constant).
@@ -659,12 +663,7 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
     def backward(ctx, d_y):
         (inner,) = ctx.saved_tensors
         magnitude, weight_norm, bias = ctx.magnitude, ctx.weight_norm, ctx.bias
-        if magnitude._version != ctx.mag_version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"the DoRA magnitude {tuple(magnitude.shape)} is at version {magnitude._version}; expected version "
-                f"{ctx.mag_version} instead (it was changed in place between the forward and this backward)"
-            )
+        _check_version(magnitude, ctx.mag_version, "magnitude")
         needs_result, needs_lora, needs_mag = ctx.needs_input_grad[:3]
         if not (needs_result or needs_lora or needs_mag):
             return None, None, None, None, None, None, None, None
@@ -680,16 +679,6 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
                 d_y, inner, magnitude, weight_norm, ctx.scale, ctx.eps, *needs, bias, ctx.from_output
             )
         return d_result, d_lora, d_mag, None, None, None, None, None
-
-
-def _check_version(t: torch.Tensor, version: int, what: str) -> None:
-    """Autograd's check for a saved input, for the inputs a node keeps as attributes."""
-    if t._version != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"the DoRA {what} {tuple(t.shape)} is at version {t._version}; expected version {version} instead (it "
-            "was changed in place between the forward and this backward)"
-        )
 
 
 class FusedDoRALinearFunction(torch.autograd.Function):
