@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -122,6 +123,14 @@ def parse_args(argv=None):
     a("--profile", action="store_true", help="add the profile task (ours fused vs plain LoRA, one training step)")
     a("--profile-impls", default="ours_fused,lora")
     a("--repeats", type=int, help="timed repeats per measure (default 5; tiny 2)")
+    a(
+        "--rounds",
+        type=int,
+        default=1,
+        help="speed subprocesses per (impl, mode), interleaved in time; records keep every round, ratios between "
+        "implementations are medians of per-round ratios (the host's speed drifts over minutes on shared machines)",
+    )
+    a("--round-impls", help="impls repeated in every round (default: all); the others run in the first round only")
     a("--warmup", type=int, default=2)
     a("--prompt-tokens", type=int, help="generation prompt (default 128; tiny 16)")
     a("--new-tokens", type=int, help="generated tokens (default 128; tiny 8)")
@@ -227,6 +236,8 @@ def resolve_config(args) -> dict:
         "measures": _names(args.measures, MEASURES + EXTRA_MEASURES),
         "tasks": tasks,
         "repeats": pick(args.repeats, 5, 2),
+        "rounds": max(1, args.rounds),
+        "round_impls": _names(args.round_impls, IMPLS) if args.round_impls else None,
         "warmup": args.warmup,
         "headline_rank": headline_rank,
         "fidelity": {
@@ -322,12 +333,18 @@ def install(wheel: Path, target_root: Path) -> Path:
 
 
 def plan_jobs(cfg: dict) -> list:
-    """One job per (impl, mode) for speed; one per impl for the other tasks. Most important first."""
+    """One job per (impl, mode) and round for speed; one per impl for the other tasks. Most important first.
+
+    Rounds interleave in time (round k runs every repeated impl once; odd rounds in reverse order), so a pair of
+    implementations is measured minutes apart at most, in alternating order."""
     jobs = []
     if "speed" in cfg["tasks"]:
+        rounds, repeated = cfg.get("rounds", 1), cfg.get("round_impls") or cfg["impls"]
         for mode in cfg["modes"]:
-            for impl in cfg["impls"]:
-                jobs.append({"impl": impl, "tasks": ["speed"], "modes": [mode]})
+            for k in range(rounds):
+                order = [i for i in cfg["impls"] if k == 0 or i in repeated]
+                for impl in order[::-1] if k % 2 else order:
+                    jobs.append({"impl": impl, "tasks": ["speed"], "modes": [mode], "round": k})
     for impl in cfg["impls"]:
         tasks = []
         if "fidelity" in cfg["tasks"] and impl in DORA_IMPLS:
@@ -385,7 +402,9 @@ def run_job(job: dict, cfg: dict, targets: dict, workdir: Path, timeout: float |
     """Run one worker subprocess and return what it wrote (or the failure)."""
     name = job["impl"]
     impl = dict(IMPLS[name], name=name, target=str(targets[IMPLS[name]["wheel"]]))
-    tag = f"{name}_{'-'.join(job['tasks'])}_{'-'.join(job['modes'])}"
+    tag = f"{name}_{'-'.join(job['tasks'])}_{'-'.join(job['modes'])}" + (
+        f"_r{job['round']}" if job.get("round") else ""
+    )
     spec = {
         "impl": impl,
         "model": cfg["model"],
@@ -509,49 +528,81 @@ def convergence_metrics(losses: dict) -> dict:
     return out
 
 
-def speed_value(doc: dict, impl: str, mode: str, measure: str, rank: int, key: str = "median_ms"):
+ROUND_KEYS = ("median_ms", "min_ms", "max_ms", "peak_delta_mb")
+
+
+def collapse_rounds(records: list) -> list:
+    """One record per (impl, mode, rank, measure): a measure taken in several rounds keeps each round's figures under
+    ``rounds`` and reports the median of the round medians, the extremes of all samples and the largest peak."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["impl"], r["mode"], r["rank"], r["measure"]), []).append(r)
+    out = []
+    for recs in groups.values():
+        if len(recs) == 1:
+            out.append(recs[0])
+            continue
+        recs = sorted(recs, key=lambda r: r.get("round", 0))
+        merged = {k: v for k, v in recs[0].items() if k not in ("round", "samples_ms")}
+        merged["rounds"] = [{"round": r.get("round", 0), **{k: r.get(k) for k in ROUND_KEYS}} for r in recs]
+        merged["median_ms"] = statistics.median(r["median_ms"] for r in recs)
+        merged["min_ms"] = min(r["min_ms"] for r in recs)
+        merged["max_ms"] = max(r["max_ms"] for r in recs)
+        peaks = [r["peak_delta_mb"] for r in recs if r.get("peak_delta_mb") is not None]
+        merged["peak_delta_mb"] = max(peaks) if peaks else None
+        out.append(merged)
+    return out
+
+
+def _record(doc: dict, impl: str, mode: str, measure: str, rank: int):
     for r in doc.get("speed", []):
         if (r["impl"], r["mode"], r["measure"], r["rank"]) == (impl, mode, measure, rank):
-            return r.get(key)
+            return r
     return None
+
+
+def speed_value(doc: dict, impl: str, mode: str, measure: str, rank: int, key: str = "median_ms"):
+    r = _record(doc, impl, mode, measure, rank)
+    return None if r is None else r.get(key)
+
+
+def time_ratio(doc: dict, num: str, den: str, mode: str, measure: str, rank: int):
+    """``num``'s time over ``den``'s: the median of the per-round ratios where both ran in the same rounds (each pair
+    measured close together in time), else the ratio of the medians."""
+    a, b = _record(doc, num, mode, measure, rank), _record(doc, den, mode, measure, rank)
+    if a is None or b is None or not a.get("median_ms") or not b.get("median_ms"):
+        return None
+    ra = {x["round"]: x["median_ms"] for x in a.get("rounds", [])}
+    rb = {x["round"]: x["median_ms"] for x in b.get("rounds", [])}
+    common = sorted(set(ra) & set(rb))
+    if len(common) > 1:
+        return round(statistics.median(ra[k] / rb[k] for k in common), 4)
+    return round(a["median_ms"] / b["median_ms"], 4)
 
 
 def headline_values(doc: dict) -> dict:
     """The flat headline keys, computed from the JSON at its headline rank (ours = fused)."""
     rank = doc["config"]["headline_rank"]
     v = lambda impl, mode, measure, key="median_ms": speed_value(doc, impl, mode, measure, rank, key)  # noqa: E731
-
-    def ratio(num, den):
-        return round(num / den, 4) if num and den else None
+    ratio = lambda num, den, mode, measure: time_ratio(doc, num, den, mode, measure, rank)  # noqa: E731
 
     out = {}
     for mode in MODES:
-        out[f"train_speedup_vs_upstream_{mode}"] = ratio(v("upstream", mode, "train"), v("ours_fused", mode, "train"))
-        out[f"infer_speedup_vs_upstream_{mode}"] = ratio(v("upstream", mode, "infer"), v("ours_fused", mode, "infer"))
-        out[f"dora_over_lora_train_{mode}"] = ratio(v("ours_fused", mode, "train"), v("lora", mode, "train"))
-        out[f"dora_over_lora_infer_{mode}"] = ratio(v("ours_fused", mode, "infer"), v("lora", mode, "infer"))
-    out["decode_speedup_vs_upstream"] = ratio(
-        v("upstream", "autocast", "decode_per_token"), v("ours_fused", "autocast", "decode_per_token")
-    )
-    out["decode_speedup_vs_upstream_bf16"] = ratio(
-        v("upstream", "bf16", "decode_per_token"), v("ours_fused", "bf16", "decode_per_token")
-    )
+        for measure in ("train", "infer"):
+            out[f"{measure}_speedup_vs_upstream_{mode}"] = ratio("upstream", "ours_fused", mode, measure)
+            out[f"dora_over_lora_{measure}_{mode}"] = ratio("ours_fused", "lora", mode, measure)
+    out["decode_speedup_vs_upstream"] = ratio("upstream", "ours_fused", "autocast", "decode_per_token")
+    out["decode_speedup_vs_upstream_bf16"] = ratio("upstream", "ours_fused", "bf16", "decode_per_token")
     for key, impl in (("ours", "ours_fused"), ("upstream", "upstream"), ("lora", "lora")):
         peak = v(impl, "autocast", "train", "peak_delta_mb")
         out[f"peak_delta_mb_{key}_autocast"] = None if peak is None else round(peak, 1)
     for impl, suffix in (("ours_fused", ""), ("ours_fused_reuse", "_norm_cache")):
         calls = v(impl, "autocast", "step_accum4", "norm_calls_per_optimizer_step")
         out["norm_calls_per_optimizer_step" + suffix] = calls
-        out["dora_over_lora_decode" + suffix] = ratio(
-            v(impl, "autocast", "decode_per_token"), v("lora", "autocast", "decode_per_token")
-        )
-    out["dora_over_lora_decode_bf16"] = ratio(
-        v("ours_fused", "bf16", "decode_per_token"), v("lora", "bf16", "decode_per_token")
-    )
+        out["dora_over_lora_decode" + suffix] = ratio(impl, "lora", "autocast", "decode_per_token")
+    out["dora_over_lora_decode_bf16"] = ratio("ours_fused", "lora", "bf16", "decode_per_token")
     for measure in ("train", "infer"):
-        out[f"dora_over_lora_{measure}_autocast_norm_cache"] = ratio(
-            v("ours_fused_reuse", "autocast", measure), v("lora", "autocast", measure)
-        )
+        out[f"dora_over_lora_{measure}_autocast_norm_cache"] = ratio("ours_fused_reuse", "lora", "autocast", measure)
     peak_ours, peak_lora = (
         v("ours_fused", "autocast", "train", "peak_delta_mb"),
         v("lora", "autocast", "train", "peak_delta_mb"),
@@ -716,6 +767,10 @@ def print_summary(doc: dict) -> None:
                         cells.append(f"{m} {t:9.2f}" + (f" ({p:7.0f})" if p is not None else ""))
                 if cells:
                     print(f"{mode:8s} r={r:<4d} {impl:11s} " + "  ".join(cells))
+    for r in doc["speed"]:
+        if r.get("rounds") and r["measure"] in SUMMARY_MEASURES:
+            per = " ".join(f"{x['median_ms']:.2f}" for x in r["rounds"])
+            print(f"rounds {r['mode']:8s} r={r['rank']:<4d} {r['impl']:11s} {r['measure']}: {per}")
     fid = doc.get("fidelity", {}).get("metrics", {}).get("modes", {})
     for mode, per in fid.items():
         print(f"fidelity {mode}: logits_cos_gap_vs_upstream {per.get('logits_cos_gap_vs_upstream')}")
@@ -786,7 +841,7 @@ def run(args, argv) -> int:
     doc = new_doc(cfg, [Path(a).name if os.sep in a else a for a in argv])
     doc["env"] = environment(cfg["device"], {})
     doc["wheels"] = {w: wheels[w].name for w in needed}
-    fidelity_files = {}
+    fidelity_files, raw_speed = {}, []
     t_start = time.perf_counter()
     deadline = args.deadline_min * 60 if args.deadline_min else None
     for job in jobs:
@@ -797,7 +852,11 @@ def run(args, argv) -> int:
         result = run_job(job, cfg, targets, workdir, None if deadline is None else deadline - elapsed)
         for e in result.get("errors", []):
             e["error"] = scrub(e["error"], places)
+        for r in result.get("speed", []):
+            r["round"] = job.get("round", 0)
+        raw_speed += result.get("speed", [])
         absorb(doc, result, fidelity_files)
+        doc["speed"] = collapse_rounds(raw_speed)
         if fidelity_files:
             doc["fidelity"] = {"rank": cfg["fidelity"]["rank"], "metrics": fidelity_metrics(fidelity_files)}
         write_doc(doc, out_path)  # after every job, so a killed call still leaves the finished part

@@ -1,0 +1,82 @@
+"""The model benchmark's rounds: interleaved job order, one record per measure with every round kept, and ratios
+taken per round (a pair measured together) rather than across rounds."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from dora_testing import REPO_ROOT
+
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import bench_model  # noqa: E402
+
+
+def _rec(impl, median, rnd, peak=100.0, measure="train"):
+    return {
+        "impl": impl,
+        "mode": "bf16",
+        "rank": 8,
+        "measure": measure,
+        "median_ms": median,
+        "min_ms": median - 1,
+        "max_ms": median + 1,
+        "samples_ms": [median],
+        "peak_delta_mb": peak,
+        "round": rnd,
+    }
+
+
+def _doc(records):
+    return {"config": {"headline_rank": 8}, "env": {}, "speed": bench_model.collapse_rounds(records)}
+
+
+def test_plan_interleaves_rounds_and_repeats_only_the_round_impls():
+    args = bench_model.parse_args(
+        ["--tiny", "--tasks", "speed", "--modes", "bf16", "--impls", "upstream,ours_fused,lora", "--rounds", "3"]
+        + ["--round-impls", "ours_fused,lora"]
+    )
+    jobs = bench_model.plan_jobs(bench_model.resolve_config(args))
+    order = [(j["round"], j["impl"]) for j in jobs]
+    assert order == [
+        (0, "upstream"), (0, "ours_fused"), (0, "lora"),
+        (1, "lora"), (1, "ours_fused"),
+        (2, "ours_fused"), (2, "lora"),
+    ]  # fmt: skip
+
+
+def test_one_round_keeps_the_record_as_it_is():
+    recs = [_rec("lora", 10.0, 0), _rec("ours_fused", 11.0, 0)]
+    doc = _doc(recs)
+    assert all("rounds" not in r for r in doc["speed"])
+    assert bench_model.time_ratio(doc, "ours_fused", "lora", "bf16", "train", 8) == 1.1
+
+
+def test_rounds_collapse_to_the_median_and_keep_each_round():
+    recs = [_rec("lora", m, k, peak=p) for k, (m, p) in enumerate([(10.0, 90.0), (30.0, 100.0), (12.0, 95.0)])]
+    (r,) = bench_model.collapse_rounds(recs)
+    assert r["median_ms"] == 12.0
+    assert (r["min_ms"], r["max_ms"]) == (9.0, 31.0)
+    assert r["peak_delta_mb"] == 100.0  # the largest peak of any round
+    assert [x["median_ms"] for x in r["rounds"]] == [10.0, 30.0, 12.0]
+    assert "round" not in r and "samples_ms" not in r
+
+
+def test_ratio_is_the_median_of_paired_ratios():
+    # a slow phase in round 1 slows both; the paired ratios (1.1, 1.2, 1.05) have median 1.1, while the ratio of the
+    # medians (22 / 12 = 1.83) would pair round 1's DoRA with another round's LoRA
+    lora = [_rec("lora", m, k) for k, m in enumerate([10.0, 20.0, 12.0])]
+    ours = [_rec("ours_fused", m, k) for k, m in enumerate([11.0, 24.0, 12.6])]
+    doc = _doc(lora + ours)
+    assert bench_model.time_ratio(doc, "ours_fused", "lora", "bf16", "train", 8) == pytest.approx(1.1)
+    head = bench_model.headline_values(doc)
+    assert head["dora_over_lora_train_bf16"] == pytest.approx(1.1)
+
+
+def test_ratio_falls_back_to_medians_when_rounds_do_not_pair():
+    ups = [_rec("upstream", 30.0, 0)]
+    ours = [_rec("ours_fused", m, k) for k, m in enumerate([10.0, 14.0, 12.0])]
+    doc = _doc(ups + ours)
+    assert bench_model.time_ratio(doc, "upstream", "ours_fused", "bf16", "train", 8) == 2.5
+    assert bench_model.time_ratio(doc, "upstream", "lora", "bf16", "train", 8) is None
