@@ -571,22 +571,6 @@ def _plain_branch(lora_A: nn.Module, lora_B: nn.Module) -> Optional[tuple[torch.
     return weight_a, weight_b
 
 
-def _branch_applies(a: torch.Tensor, result: torch.Tensor, weight_b: torch.Tensor) -> bool:
-    """Whether :class:`~.dora_fused.FusedDoRALinearFunction` computes ``F.linear(a, B)`` as F.linear would: in
-    ``a``'s dtype (autocast's, or B's own without autocast), which ``result`` shares, with shapes that fit (F.linear's
-    own errors come from the separate call otherwise)."""
-    dtype, kernel_dtypes = a.dtype, dora_fused._KERNEL_DTYPES
-    if dtype not in kernel_dtypes or result.dtype != dtype or weight_b.dim() != 2 or a.dim() == 0:
-        return False
-    if weight_b.dtype != dtype and (
-        weight_b.dtype not in kernel_dtypes or not torch.is_autocast_enabled(a.device.type)
-    ):
-        return False
-    d_out, rank = weight_b.shape
-    shape = result.shape
-    return a.shape[-1] == rank and shape[-1] == d_out and a.shape[:-1] == shape[:-1]
-
-
 class DoraLinearLayer(nn.Module):
     """Magnitude vector and DoRA contribution of one adapter on a Linear (or GPT-2 ``Conv1D``) layer."""
 
@@ -754,15 +738,18 @@ class DoraLinearLayer(nn.Module):
         env = _env()
         if env.fused is False or env.fused_backward is False or not dora_fused.kernels_available(result):
             return None
-        if torch.compiler.is_compiling() or not _branch_applies(a, result, weight_b):
+        if torch.compiler.is_compiling():
+            return None
+        stride = dora_fused.branch_node_stride(a, result, weight_b, magnitude, bias)
+        if stride is None:
             return None
         weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
-        if not dora_fused.linear_output_supported(result, bias, magnitude, weight_norm):
+        if not dora_fused.norm_operand(weight_norm, magnitude):
             return None
         _record_tier(self, TIER_FUSED_BACKWARD)
         eps = _eps_for(weight.dtype)
         return dora_fused.FusedDoRALinearFunction.apply(
-            result, a, weight_b, magnitude, weight_norm, bias, float(scaling), eps
+            result, a, weight_b, magnitude, weight_norm, bias, float(scaling), eps, stride
         )
 
     def _small_output(self, result, lora, weight, lora_A, lora_B, bias, scaling, adapter_name):

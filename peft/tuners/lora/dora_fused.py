@@ -300,9 +300,7 @@ def _output_layout(result, lora, bias, magnitude, weight_norm) -> tuple[int, int
 
 def _output_operands(result, bias, magnitude, weight_norm) -> bool:
     """The one-pass output's rules for its [d_out] operands, given a ``result`` that ``_layout`` accepts."""
-    if magnitude.dim() != 1 or weight_norm.dtype != torch.float32 or weight_norm.shape != magnitude.shape:
-        return False
-    if not weight_norm.is_contiguous() or weight_norm.device != result.device:
+    if magnitude.dim() != 1 or not norm_operand(weight_norm, magnitude):
         return False
     return bias is None or (
         bias.shape == magnitude.shape and bias.dtype in _KERNEL_DTYPES and bias.is_contiguous()
@@ -310,10 +308,46 @@ def _output_operands(result, bias, magnitude, weight_norm) -> bool:
     )  # fmt: skip
 
 
-def linear_output_supported(result, bias, magnitude, weight_norm) -> bool:
-    """Whether :class:`FusedDoRALinearFunction` takes these tensors (its LoRA output is a fresh ``result``-shaped
-    buffer, so ``result`` stands in for it); the caller checks the branch's shapes, dtypes and devices."""
-    return _layout(result, result, magnitude) is not None and _output_operands(result, bias, magnitude, weight_norm)
+def branch_node_stride(a, result, weight_b, magnitude, bias) -> int | None:
+    """``result``'s row stride where :class:`FusedDoRALinearFunction` takes these tensors, else None.
+
+    The node computes ``F.linear(a, B)`` as F.linear would: in ``a``'s dtype (autocast's, or B's own without
+    autocast), which ``result`` shares, with shapes that fit (F.linear's own errors come from the separate call
+    otherwise); its output is a fresh ``result``-shaped buffer, so ``result`` stands in for it in the kernels' layout
+    rules (:func:`_layout`, :func:`_output_operands`). One function on the per-forward path: the two checks it
+    replaced re-read the same attributes (a fifth of DoRA's host time over LoRA's per training forward, CPU
+    stand-in). The norm is checked separately (:func:`norm_operand`), once it exists."""
+    dtype = a.dtype
+    if dtype not in _KERNEL_DTYPES or result.dtype != dtype or weight_b.dim() != 2 or a.dim() == 0:
+        return None
+    if weight_b.dtype != dtype and (
+        weight_b.dtype not in _KERNEL_DTYPES or not torch.is_autocast_enabled(a.device.type)
+    ):
+        return None
+    d_out, rank = weight_b.shape
+    shape = result.shape
+    if a.shape[-1] != rank or shape[-1] != d_out or a.shape[:-1] != shape[:-1]:
+        return None
+    if magnitude.shape != (d_out,) or magnitude.dtype not in _KERNEL_DTYPES or (d_out > 1 and magnitude.stride(0) != 1):
+        return None
+    device = result.device
+    if magnitude.device != device or a.device != device:
+        return None
+    if bias is not None and not (
+        bias.shape == magnitude.shape and bias.dtype in _KERNEL_DTYPES and bias.is_contiguous()
+        and bias.device == device and not bias.requires_grad
+    ):  # fmt: skip
+        return None
+    return _row_stride(result)
+
+
+def norm_operand(weight_norm: torch.Tensor, magnitude: torch.Tensor) -> bool:
+    """Whether the one-pass kernels read ``weight_norm`` beside ``magnitude``: fp32, contiguous, same shape and
+    device."""
+    return (
+        weight_norm.dtype == torch.float32 and weight_norm.shape == magnitude.shape and weight_norm.is_contiguous()
+        and weight_norm.device == magnitude.device
+    )  # fmt: skip
 
 
 def output_supported(result, lora, bias, magnitude, weight_norm) -> bool:
@@ -701,13 +735,14 @@ class FusedDoRALinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, result, a, weight_b, magnitude, weight_norm, bias, scale, eps):
+    def forward(ctx, result, a, weight_b, magnitude, weight_norm, bias, scale, eps, stride):
+        """``stride``: :func:`branch_node_stride` of these tensors, which the caller has checked is not None."""
         lora = F.linear(a, weight_b.to(a.dtype))
         needs_mag = ctx.needs_input_grad[3]
         from_output = needs_mag and _output_saves_itself(magnitude)
         inner = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device) if needs_mag and not from_output else None
         if lora.numel() > 0:
-            strides = (_row_stride(result), lora.shape[-1])
+            strides = (stride, lora.shape[-1])  # F.linear's output is contiguous
             _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, inner, strides)
         ctx.save_for_backward(a, lora if from_output else inner)
         ctx.weights = (weight_b, magnitude, weight_norm, bias)
@@ -727,7 +762,9 @@ class FusedDoRALinearFunction(torch.autograd.Function):
         d_out = d_y.shape[-1]
         layout = None
         if d_y.numel() > 0 and kernels_available(d_y):
-            layout = _layout(d_y, saved if needs_mag else d_y, magnitude)
+            # autograd hands over a gradient of y's shape and dtype; y and inner are our own contiguous buffers, and
+            # m's layout was checked in forward (its version since): only the gradient's strides are open
+            layout = (d_out, d_out) if d_y.is_contiguous() else _layout(d_y, saved if needs_mag else d_y, magnitude)
         gs = None  # g·s as a column [d_out, 1]: scales B's rows before d_a and d_B's rows after
         if layout is not None:
             gs = torch.empty((d_out, 1), dtype=torch.float32, device=d_y.device) if needs_branch else None
@@ -758,7 +795,7 @@ class FusedDoRALinearFunction(torch.autograd.Function):
                 d_b = torch.mul(d_b, gs)  # promoted to fp32 by gs
             else:
                 d_b = torch.mul(d_b, gs, out=torch.empty_like(weight_b))
-        return d_result, d_a, d_b, d_mag, None, None, None, None
+        return d_result, d_a, d_b, d_mag, None, None, None, None, None
 
 
 def _fused_backward(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad):

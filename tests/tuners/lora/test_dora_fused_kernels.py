@@ -67,6 +67,70 @@ def test_kernels_support_layout_rules():
     assert F.kernels_support(torch.randn(6, 20)[:, 4:12], x, g)  # a column slice reads as rows
 
 
+def _branch(tokens=5, rank=3, d_out=11, dtype=torch.bfloat16):
+    a = torch.randn(2, tokens, rank, dtype=dtype)
+    result = torch.randn(2, tokens, d_out, dtype=dtype)
+    return a, result, torch.randn(d_out, rank, dtype=dtype), torch.rand(d_out)
+
+
+def test_branch_node_stride_accepts_rows_and_returns_results_row_stride():
+    a, result, b, m = _branch()
+    assert F.branch_node_stride(a, result, b, m, None) == 11
+    wide = torch.randn(2, 5, 16, dtype=torch.bfloat16)[..., :11]  # rows of a wider buffer
+    assert F.branch_node_stride(a, wide, b, m, None) == 16
+    assert F.branch_node_stride(a, result, b, m, torch.rand(11, dtype=torch.bfloat16)) == 11
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 B computed in autocast's dtype
+        assert F.branch_node_stride(a, result, b.float(), m, None) == 11
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "b_dtype_without_autocast", "result_dtype", "a_int", "rank", "d_out", "tokens", "magnitude_shape",
+        "magnitude_stride", "magnitude_dtype", "bias_grad", "bias_shape", "result_columns", "a_scalar",
+    ],
+)  # fmt: skip
+def test_branch_node_stride_rejects_what_the_node_cannot_compute(case):
+    """Each case goes to the separate nodes (None), where F.linear raises its own errors or PyTorch composes."""
+    a, result, b, m = _branch()
+    bias = None
+    if case == "b_dtype_without_autocast":
+        b = b.float()  # F.linear would raise: the node must not compute it in a's dtype
+    elif case == "result_dtype":
+        result = result.float()
+    elif case == "a_int":
+        a = a.to(torch.int32)
+    elif case == "rank":
+        b = torch.randn(11, 4, dtype=torch.bfloat16)
+    elif case == "d_out":
+        result = torch.randn(2, 5, 12, dtype=torch.bfloat16)
+    elif case == "tokens":
+        result = torch.randn(2, 6, 11, dtype=torch.bfloat16)
+    elif case == "magnitude_shape":
+        m = torch.rand(1, 11)
+    elif case == "magnitude_stride":
+        m = torch.rand(22)[::2]
+    elif case == "magnitude_dtype":
+        m = torch.rand(11).to(torch.float64)
+    elif case == "bias_grad":
+        bias = torch.rand(11, dtype=torch.bfloat16, requires_grad=True)
+    elif case == "bias_shape":
+        bias = torch.rand(12, dtype=torch.bfloat16)
+    elif case == "result_columns":
+        result = torch.randn(2, 11, 5, dtype=torch.bfloat16).transpose(1, 2)  # unit column stride missing
+    elif case == "a_scalar":
+        a = torch.tensor(1.0, dtype=torch.bfloat16)
+    assert F.branch_node_stride(a, result, b, m, bias) is None
+
+
+def test_norm_operand_rules():
+    m = torch.rand(11)
+    assert F.norm_operand(torch.rand(11), m)
+    assert not F.norm_operand(torch.rand(11, dtype=torch.float64), m)
+    assert not F.norm_operand(torch.rand(12), m)
+    assert not F.norm_operand(torch.rand(22)[::2], m)
+
+
 def test_kernels_need_cuda_outside_the_interpreter():
     assert F.kernels_available(torch.empty(1)) is (F._HAS_TRITON and F._INTERPRET)
 
