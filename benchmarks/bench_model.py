@@ -704,7 +704,7 @@ def absorb(doc: dict, result: dict, fidelity_files: dict) -> None:
 
 
 def merge_docs(docs: list) -> dict:
-    """Later documents win per speed record (impl, mode, rank, measure) and per fidelity/profile/convergence entry."""
+    """Later documents win per (mode, rank) of speed records and per fidelity/profile/convergence entry."""
     out = json.loads(json.dumps(docs[0]))
     for d in docs[1:]:
         if d["kind"] != out["kind"]:
@@ -714,8 +714,10 @@ def merge_docs(docs: list) -> dict:
         out["env"].update(d["env"])
         out["runs"].extend(d["runs"])
         out["impls"].update(d["impls"])
-        keys = {(r["impl"], r["mode"], r["rank"], r["measure"]) for r in d["speed"]}
-        out["speed"] = [r for r in out["speed"] if (r["impl"], r["mode"], r["rank"], r["measure"]) not in keys]
+        # a later run replaces every speed record of each (mode, rank) it measured, so that a mode's and rank's rows
+        # always come from one run (an implementation it left out is not filled in from an older revision)
+        keys = {(r["mode"], r["rank"]) for r in d["speed"]}
+        out["speed"] = [r for r in out["speed"] if (r["mode"], r["rank"]) not in keys]
         out["speed"].extend(d["speed"])
         if d["fidelity"].get("metrics", {}).get("modes"):
             out["fidelity"] = d["fidelity"]

@@ -80,3 +80,19 @@ def test_ratio_falls_back_to_medians_when_rounds_do_not_pair():
     doc = _doc(ups + ours)
     assert bench_model.time_ratio(doc, "upstream", "ours_fused", "bf16", "train", 8) == 2.5
     assert bench_model.time_ratio(doc, "upstream", "lora", "bf16", "train", 8) is None
+
+
+def test_merge_replaces_a_mode_and_rank_as_a_whole():
+    def doc(records):
+        return {
+            "kind": "gpu", "env": {"gpu": "G"}, "runs": [], "impls": {}, "speed": records, "fidelity": {},
+            "convergence": {"losses": {}}, "profile": {}, "errors": [], "skipped": [],
+            "config": {"ranks": [8], "impls": [], "modes": ["bf16"], "measures": ["train"], "tasks": ["speed"]},
+        }  # fmt: skip
+
+    old = doc([_rec("lora", 10.0, 0), _rec("ours_fused_reuse", 9.0, 0), dict(_rec("lora", 5.0, 0), rank=64)])
+    new = doc([_rec("lora", 12.0, 0), _rec("ours_fused", 13.0, 0)])
+    merged = bench_model.merge_docs([old, new])
+    rows = {(r["impl"], r["rank"]): r["median_ms"] for r in merged["speed"]}
+    # the older run's reuse row at (bf16, 8) goes: the newer run measured that mode and rank without it
+    assert rows == {("lora", 8): 12.0, ("ours_fused", 8): 13.0, ("lora", 64): 5.0}
