@@ -38,7 +38,7 @@ from torch.nn.modules import module as _nn_module
 from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 from peft.utils.other import transpose
 
-from . import dora_fused, dora_norm_triton
+from . import dora_decode, dora_fused, dora_norm_triton
 from .dora_cache import Memo, capturing, identity_tracked, memoised, reused, source, watch_merges
 from .dora_cache import invalidate_norm_caches as invalidate_norm_caches  # public here, as documented
 from .dora_cache import norm_counts as norm_counts  # public here, as documented
@@ -397,6 +397,7 @@ TIER_FUSED_BACKWARD = "fused_backward"
 TIER_FUSED_FORWARD = "fused_forward"
 TIER_EAGER = "eager"
 TIER_SMALL_FORWARD = "small_forward"
+TIER_DECODE = "decode"
 
 # Up to this many output elements without autograd (decode: a token per sequence), launches cost more than bytes:
 # two in-place PyTorch ops with the reused g (~20 µs of host time on the H200's host) beat one Triton launch (~50 µs).
@@ -555,6 +556,7 @@ def _lora_output(lora_A: nn.Module, lora_B: nn.Module, x: torch.Tensor) -> torch
 
 
 _ONE_NODE_BRANCH = True  # tests switch it off to compare with the separate LoRA-branch nodes
+_DECODE_KERNELS = True  # tests switch it off to compare with the small forward's matmuls and PyTorch ops
 
 
 def _plain_branch(lora_A: nn.Module, lora_B: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -709,6 +711,9 @@ class DoraLinearLayer(nn.Module):
             lora_result = _lora_output(lora_A, lora_B, x)
             weights = (lora_A.weight, lora_B.weight)
         else:
+            out = self._decode_output(x, result, weight, *weights, bias, scaling, adapter_name)
+            if out is not None:
+                return out
             a = F.linear(x, weights[0])
             if _ONE_NODE_BRANCH and torch.is_grad_enabled():
                 out = self._branch_output(a, result, weight, weights, bias, scaling, adapter_name)
@@ -767,13 +772,52 @@ class DoraLinearLayer(nn.Module):
         # factors in `_reuse_mode`: without it, factors are reused across forwards in eval mode or with NORM_CACHE=1.
         if torch.is_grad_enabled() and (result.requires_grad or lora.requires_grad or magnitude.requires_grad):
             return None
+        if lora.shape != result.shape or lora.dtype != result.dtype or lora._base is not None:
+            return None
+        rows = self._small_factors(result, weight, lora_A, lora_B, bias, scaling, adapter_name)
+        if rows is None:
+            return None
+        out = torch.add(result, lora, alpha=float(scaling), out=lora).mul_(rows[1])
+        if bias is not None:
+            out.add_(rows[2])
+        _record_tier(self, TIER_SMALL_FORWARD)
+        return out
+
+    def _decode_output(self, x, result, weight, lora_A, lora_B, bias, scaling, adapter_name):
+        """``F.linear(F.linear(x, A), B)`` and the small forward's composition in two Triton launches
+        (``dora_decode``), for at most ``dora_decode.MAX_TOKENS`` rows without autograd, or None where they do not
+        apply. Same conditions and reused factors as :meth:`_small_output`, whose four launches they replace."""
+        if not _DECODE_KERNELS or result.numel() > dora_decode.MAX_TOKENS * result.shape[-1]:
+            return None
+        magnitude = self._parameters["weight"]
+        if torch.is_grad_enabled() and (
+            x.requires_grad or result.requires_grad or lora_A.requires_grad or lora_B.requires_grad
+            or magnitude.requires_grad
+        ):  # fmt: skip
+            return None
+        layout = dora_decode.decode_layout(x, result, lora_A, lora_B)
+        if layout is None:
+            return None
+        rows = self._small_factors(result, weight, lora_A, lora_B, bias, scaling, adapter_name)
+        if rows is None:
+            return None
+        out = dora_decode.decode_output(x, result, lora_A, lora_B, rows[0], float(scaling), layout, bias is not None)
+        _record_tier(self, TIER_DECODE)
+        return out
+
+    def _small_factors(self, result, weight, lora_A, lora_B, bias, scaling, adapter_name):
+        """``(f, g, (1 − g)·bias)`` (f the fp32 ``[1 or 2, d_out]`` stack, then its rows as views; no bias row
+        without a bias), kept across forwards while W, A, B, m and the bias hold, or None where factors are not
+        reused here (training, PEFT_DORA_NORM_CACHE=0), the kernels are off or unavailable, torch.compile traces, or a
+        CUDA graph is captured. The caller has checked that autograd records nothing."""
+        magnitude = self._parameters["weight"]
         env = _env()
         if env.norm_cache is False or (self.training and not env.norm_cache):
             return None  # `_reuse_mode(self) != "any"`: factors computed every forward, the one launch is cheaper
-        if lora.shape != result.shape or lora.dtype != result.dtype or lora._base is not None or magnitude.dim() != 1:
+        if magnitude.dim() != 1:
             return None
-        if env.fused is False or not dora_fused.kernels_available(lora):
-            _kernels_allowed(lora)  # raises where PEFT_DORA_FUSED=1 forces kernels that cannot run
+        if env.fused is False or not dora_fused.kernels_available(result):
+            _kernels_allowed(result)  # raises where PEFT_DORA_FUSED=1 forces kernels that cannot run
             return None  # the eager tier
         if torch.compiler.is_compiling():
             return None
@@ -794,11 +838,7 @@ class DoraLinearLayer(nn.Module):
         rows = self._small_rows
         if not rows or rows[0] is not f:  # the rows as views, made once per value of the factors
             rows = self._small_rows = (f, *f.unbind(0))
-        out = torch.add(result, lora, alpha=scaling, out=lora).mul_(rows[1])
-        if bias is not None:
-            out.add_(rows[2])
-        _record_tier(self, TIER_SMALL_FORWARD)
-        return out
+        return rows
 
     def __repr__(self) -> str:
         return "lora.dora." + super().__repr__()

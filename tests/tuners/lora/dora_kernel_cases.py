@@ -307,15 +307,20 @@ def test_output_with_a_zero_magnitude_keeps_inner():
     assert_close(m.grad, want[3].float(), scale=23**0.5)
 
 
+@pytest.mark.parametrize("path", ("small_forward", "decode"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_small_eval_forward_reuses_its_factors(dora_env, monkeypatch, dtype):
-    """Eval without autograd and few rows (decode): two in-place PyTorch ops on the LoRA output with g, g·s and
-    (1 − g)·bias kept from the first forward. Agrees with the eager tier like the kernel does, never goes stale, and
-    steps aside for large inputs, training mode and PEFT_DORA_FUSED=0."""
+def test_small_eval_forward_reuses_its_factors(dora_env, monkeypatch, dtype, path):
+    """Eval without autograd and few rows (decode): the decode kernels (up to dora_decode.MAX_TOKENS rows; switched
+    off here for the other path) or two in-place PyTorch ops on the LoRA output, with g and (1 − g)·bias kept from
+    the first forward. Agrees with the eager tier like the kernel does, never goes stale, and steps aside for large
+    inputs, training mode and PEFT_DORA_FUSED=0."""
     from torch import nn
 
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import dora
+
+    monkeypatch.setattr(dora, "_DECODE_KERNELS", path == "decode")
+    tier = dora.TIER_DECODE if path == "decode" else dora.TIER_SMALL_FORWARD
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
@@ -335,7 +340,7 @@ def test_small_eval_forward_reuses_its_factors(dora_env, monkeypatch, dtype):
         dora.tier_counts.clear(), dora.norm_counts.clear()
         first = peft_model(x)
         second = peft_model(x)
-        assert dora.tier_counts == {dora.TIER_SMALL_FORWARD: 4}
+        assert dora.tier_counts == {tier: 4}
         assert dora.norm_counts["scale_computed"] == 2 and dora.norm_counts["scale_reused"] == 2
         assert torch.equal(first, second)
         assert_close(first, eager(), dtype=dtype)
@@ -347,13 +352,137 @@ def test_small_eval_forward_reuses_its_factors(dora_env, monkeypatch, dtype):
             change()
             assert_close(peft_model(x), eager(), dtype=dtype)
         monkeypatch.setattr(dora, "_SMALL_FORWARD_NUMEL", 2 * 3 * 17 - 1)  # x is now "large" for both layers
+        monkeypatch.setattr(dora.dora_decode, "MAX_TOKENS", 2 * 3 - 1)
         dora.tier_counts.clear()
         peft_model(x)
-        assert dora.tier_counts[dora.TIER_FUSED_FORWARD] == 2 and dora.tier_counts[dora.TIER_SMALL_FORWARD] == 0
+        assert dora.tier_counts[dora.TIER_FUSED_FORWARD] == 2 and dora.tier_counts[tier] == 0
         peft_model.train()
         dora.tier_counts.clear()
         peft_model(x)
         assert dora.tier_counts == {dora.TIER_FUSED_FORWARD: 2}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode: the LoRA branch and the output of a few rows in two launches (dora_decode).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _decode_inputs(tokens, d_in, rank, d_out, mode, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "autocast": torch.bfloat16}[mode]
+    factor_dtype = torch.float32 if mode == "autocast" else dtype  # PEFT's fp32 adapters under autocast
+    wide = torch.randn(tokens, d_in + 5, generator=g).to(factor_dtype)
+    x = wide[:, 3 : 3 + d_in]  # rows of a wider buffer
+    weight_a = (torch.randn(rank, d_in, generator=g) / d_in**0.5).to(factor_dtype)
+    weight_b = torch.randn(d_out, rank, generator=g).to(factor_dtype)
+    result = torch.randn(tokens, d_out, generator=g).to(dtype)
+    gs = torch.rand(d_out, generator=g) + 0.5
+    rows = (gs, (1 - gs) * torch.randn(d_out, generator=g)) if bias else (gs,)
+    return x, result, weight_a, weight_b, torch.stack(rows).contiguous(), dtype
+
+
+def _decode_fp64(x, result, weight_a, weight_b, factors, bias):
+    lora = x.double() @ weight_a.double().t() @ weight_b.double().t()
+    out = factors[0].double() * (result.double() + SCALE * lora)
+    return out + factors[1].double() if bias else out
+
+
+@pytest.mark.parametrize("bias", (False, True))
+@pytest.mark.parametrize("mode", ("fp32", "bf16", "fp16", "autocast"))
+@pytest.mark.parametrize("tokens, d_in, rank, d_out", [(1, 100, 7, 37), (3, 64, 40, 70), (8, 300, 130, 33)])
+def test_decode_kernels_match_twin(tokens, d_in, rank, d_out, mode, bias):
+    """Both launches against the PyTorch twin (F.linear's two matmuls in the compute dtype, the composition in fp32),
+    at sizes that are no multiple of any block, x as rows of a wider buffer; no further from fp64 than the twin."""
+    from peft.tuners.lora import dora_decode as Dd
+
+    x, result, weight_a, weight_b, factors, dtype = _decode_inputs(tokens, d_in, rank, d_out, mode, bias)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else torch.autocast("cpu", enabled=False)
+    with ctx:
+        layout = Dd.decode_layout(x, result, weight_a, weight_b)
+        assert layout == (d_in + 5 if tokens > 1 else d_in, d_out, dtype)  # one row of x reads as contiguous
+        out = Dd.decode_output(x, result, weight_a, weight_b, factors, SCALE, layout, bias)
+        twin = Dd.decode_output_torch(x, result, weight_a, weight_b, factors, SCALE, bias)
+    assert out.dtype == dtype and out.shape == result.shape
+    want = _decode_fp64(x, result, weight_a, weight_b, factors, bias)
+    if dtype == torch.float32:
+        assert_close(out, twin, dtype=dtype)
+    else:
+        # a and lora are rounded to the compute dtype in both, and sums in another order may round either way; the
+        # interpreter converts fp32 to bf16 by truncation (the GPU rounds to nearest: test_dora_gpu checks it
+        # there against the twin), up to a unit in the last place per rounding, three of them here
+        err, err_twin = (out.double() - want).abs().max(), (twin.double() - want).abs().max()
+        assert err <= 2 * err_twin + 2 * want.abs().max() * torch.finfo(dtype).eps, (err, err_twin)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["tokens", "zero_tokens", "b_dtype", "result_dtype", "a_columns", "b_shape", "x_columns", "int_x", "shapes"],
+)
+def test_decode_layout_rejects_what_the_kernels_do_not_compute(case):
+    from peft.tuners.lora import dora_decode as Dd
+
+    x, result, weight_a, weight_b, _, _ = _decode_inputs(3, 64, 8, 40, "bf16", False)
+    if case == "tokens":
+        x, result = torch.randn(9, 64).to(x.dtype), torch.randn(9, 40).to(result.dtype)
+    elif case == "zero_tokens":
+        x, result = x[:0], result[:0]
+    elif case == "b_dtype":
+        weight_b = weight_b.float()  # F.linear raises without autocast: left to it
+    elif case == "result_dtype":
+        result = result.float()
+    elif case == "a_columns":
+        weight_a = weight_a.t().contiguous().t()
+    elif case == "b_shape":
+        weight_b = weight_b[:, :7]
+    elif case == "x_columns":
+        x = torch.randn(64, 3).to(x.dtype).t()
+    elif case == "int_x":
+        x = x.to(torch.int32)
+    elif case == "shapes":
+        result = result.reshape(1, 3, 40)
+    assert Dd.decode_layout(x, result, weight_a, weight_b) is None
+
+
+def test_decode_tier_in_a_model_and_its_fallbacks(dora_env, monkeypatch):
+    """A DoRA model in eval without autograd decodes through the two launches: same output as with them switched off
+    (matmuls and the small forward's ops), in autocast too; a hook on lora_A, autograd, more rows than MAX_TOKENS or
+    a training-mode forward take the other paths."""
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import dora
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
+    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
+    peft_model = get_peft_model(model, config).eval()
+
+    def run(x, decode, autocast=False):
+        monkeypatch.setattr(dora, "_DECODE_KERNELS", decode)
+        dora.tier_counts.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return peft_model(x), dict(dora.tier_counts)
+
+    with torch.no_grad():
+        for autocast in (False, True):
+            x = torch.randn(1, 2, 24)
+            out, tiers = run(x, True, autocast)
+            assert tiers == {dora.TIER_DECODE: 2}
+            ref, tiers = run(x, False, autocast)
+            assert tiers == {dora.TIER_SMALL_FORWARD: 2}
+            assert_close(out, ref, dtype=torch.bfloat16 if autocast else torch.float32)
+        _, tiers = run(torch.randn(9, 24), True)
+        assert dora.TIER_DECODE not in tiers
+        handle = peft_model.base_model.model[0].lora_A["default"].register_forward_hook(lambda *a: None)
+        _, tiers = run(torch.randn(2, 24), True)
+        assert tiers == {dora.TIER_SMALL_FORWARD: 1, dora.TIER_DECODE: 1}
+        handle.remove()
+    _, tiers = run(torch.randn(2, 24), True)  # autograd records: the one-pass output
+    assert dora.TIER_DECODE not in tiers and dora.TIER_SMALL_FORWARD not in tiers
+    peft_model.train()
+    with torch.no_grad():
+        _, tiers = run(torch.randn(2, 24), True)
+    assert dora.TIER_DECODE not in tiers
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -236,3 +236,54 @@ def test_torch_compile_graph_breaks_with_dropout():
     with torch.no_grad():
         torch._dynamo.reset()
         assert_close(torch.compile(inner)(x), inner(x))
+
+
+@pytest.mark.parametrize("bias", (False, True))
+@pytest.mark.parametrize("mode", ("fp32", "bf16", "fp16", "autocast"))
+@pytest.mark.parametrize("tokens, d_in, rank, d_out", [(1, 4096, 384, 14336), (3, 14336, 768, 4096), (8, 1000, 7, 37)])
+def test_decode_kernels_match_twin(tokens, d_in, rank, d_out, mode, bias):
+    """The two decode launches against their PyTorch twin (cuBLAS matmuls in the compute dtype, the composition in
+    fp32) at the model benchmark's shapes and odd ones: no further from fp64 than the twin (both round a and lora to
+    the compute dtype; the GPU rounds to nearest), and equal to it within fp32 rounding in fp32."""
+    from peft.tuners.lora import dora_decode as Dd
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens + rank)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "autocast": torch.bfloat16}[mode]
+    factor_dtype = torch.float32 if mode == "autocast" else dtype
+
+    def rand(*shape, div=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) / div).to(factor_dtype)
+
+    x = rand(tokens, d_in + 8)[:, 8:]
+    weight_a, weight_b = rand(rank, d_in, div=d_in**0.5), rand(d_out, rank, div=rank**0.5)
+    result = torch.randn(tokens, d_out, device="cuda", generator=gen).to(dtype)
+    g = torch.rand(d_out, device="cuda", generator=gen) + 0.5
+    factors = torch.stack((g, (1 - g) * torch.randn(d_out, device="cuda", generator=gen)) if bias else (g,))
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        layout = Dd.decode_layout(x, result, weight_a, weight_b)
+        assert layout is not None
+        out = Dd.decode_output(x, result, weight_a, weight_b, factors, 0.75, layout, bias)
+        twin = Dd.decode_output_torch(x, result, weight_a, weight_b, factors, 0.75, bias)
+    want = factors[0].double() * (result.double() + 0.75 * (x.double() @ weight_a.double().t() @ weight_b.double().t()))
+    want = want + factors[1].double() if bias else want
+    if dtype == torch.float32:
+        assert_close(out, twin, dtype=dtype)
+    err, err_twin = (out.double() - want).abs().max(), (twin.double() - want).abs().max()
+    assert err <= 1.5 * err_twin + 0.5 * want.abs().max() * torch.finfo(dtype).eps, (err, err_twin)
+
+
+def test_decode_tier_in_generation_matches_matmul_path(monkeypatch):
+    """A DoRA Linear in eval decodes one token through the two launches, with the same output as the matmul path
+    (within the rounding of sums in another order)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(512, 1024, bias=True)).cuda().to(torch.bfloat16)
+    config = LoraConfig(r=64, lora_alpha=32, target_modules=["0"], use_dora=True, init_lora_weights=False)
+    model = get_peft_model(base, config).to(torch.bfloat16).eval()
+    x = torch.randn(1, 1, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        dora.tier_counts.clear()
+        out = model(x)
+        assert dora.tier_counts == {dora.TIER_DECODE: 1}
+        monkeypatch.setattr(dora, "_DECODE_KERNELS", False)
+        ref = model(x)
+    assert_close(out, ref, dtype=torch.bfloat16)

@@ -266,6 +266,7 @@ def test_small_forward_matches_the_fused_composition_and_follows_a_new_magnitude
     """Eval-mode decode path (g·(result + s·lora) with cached g) against the eager composition, with and without a
     bias, and after the magnitude changes in place."""
     monkeypatch.setattr(dora.dora_fused, "kernels_available", lambda t: True)  # the small path needs no kernel
+    monkeypatch.setattr(dora, "_DECODE_KERNELS", False)  # (the decode launches do)
     for bias in (True, False):
         model = _one_linear()
         layer = model.base_model.model[0]
