@@ -583,6 +583,7 @@ class DoraLinearLayer(nn.Module):
         self.last_tier: Optional[str] = None  # the dispatch tier of the latest forward
         self._norm_memo, self._scale_memo, self._small_memo = Memo(), Memo(), Memo()
         self._small_rows: tuple = ()  # (the small forward's factors, their rows as views)
+        self._decode = dora_decode.DecodeSlot()  # the launches of the latest decode step (dora_decode.DecodePlan)
         self._w_sq_memo = Memo(frozen=True)  # ||W||² of a frozen base weight outlives optimizer steps
         self._norm_graph = NormGraph()  # the training norm as a CUDA graph (dora_graph)
 
@@ -602,6 +603,7 @@ class DoraLinearLayer(nn.Module):
             for memo in (self._norm_memo, self._w_sq_memo, self._scale_memo, self._small_memo):
                 memo.clear()
             self._small_rows = ()
+            self._decode.plan = None
         if not mode:
             self._norm_graph.clear()  # inference does not replay it: its memory pool serves other graphs or none
         super().train(mode=mode)
@@ -795,13 +797,18 @@ class DoraLinearLayer(nn.Module):
             or magnitude.requires_grad
         ):  # fmt: skip
             return None
-        layout = dora_decode.decode_layout(x, result, lora_A, lora_B)
-        if layout is None:
-            return None
         rows = self._small_factors(result, weight, lora_A, lora_B, bias, scaling, adapter_name)
         if rows is None:
             return None
-        out = dora_decode.decode_output(x, result, lora_A, lora_B, rows[0], float(scaling), layout, bias is not None)
+        # the plan of the previous decode step holds while its factors (W, A, B, m, bias, s) and its inputs' layout do
+        key, plan = dora_decode.plan_key(x, result), self._decode.plan
+        if plan is None or plan.factors is not rows[0] or plan.key != key:
+            layout = dora_decode.decode_layout(x, result, lora_A, lora_B)
+            if layout is None:
+                return None
+            plan = dora_decode.DecodePlan(key, x, result, lora_A, lora_B, rows[0], scaling, layout, bias is not None)
+            self._decode.plan = plan
+        out = plan.run(x, result)
         _record_tier(self, TIER_DECODE)
         return out
 

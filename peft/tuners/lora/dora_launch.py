@@ -135,6 +135,9 @@ class Launcher:
                     self._cache.clear()
                 self._cache[key] = _entry(kernel, tail)
             return
+        self._call(entry, grid, device, args, meta)
+
+    def _call(self, entry, grid: tuple, device: int, args: tuple, meta: dict) -> None:
         call, function, lead, tail = entry
         n = len(grid)
         try:
@@ -146,6 +149,29 @@ class Launcher:
             # The launcher's calling convention is not the one this module knows: Triton's own path from now on.
             _direct[0] = False
             self.fn[grid](*args, **meta)
+
+    def prepare(self, grid: tuple, args: tuple, meta: dict):
+        """Launch like ``self[grid](*args, **meta)`` and return a token for :meth:`repeat`, which launches the same
+        signature again without computing it (None where launches do not go direct)."""
+        self.launch(grid, args, meta)
+        if not _direct[0]:
+            return None
+        device = torch.cuda.current_device()
+        entry = self._cache.get((device, _signature(args), *meta.items()))
+        return None if entry is None else (entry, device)
+
+    def repeat(self, token, grid: tuple, args: tuple, meta: dict) -> None:
+        """Launch ``args`` whose signature is the one ``token`` was prepared with: every integer argument equal,
+        every tensor of the same dtype and 16-byte alignment, on the same device (the caller's guarantee: nothing is
+        checked here). Launch hooks and a failed direct call take Triton's own path, as in :meth:`launch`."""
+        if token is None or not (
+            _direct[0] and _idle(knobs.runtime.launch_enter_hook) and _idle(knobs.runtime.launch_exit_hook)
+        ):
+            self.fn[grid](*args, **meta)
+        elif torch.cuda.current_device() != token[1]:
+            self.launch(grid, args, meta)
+        else:
+            self._call(token[0], grid, token[1], args, meta)
 
     def _constexpr_tail(self, n_args: int, meta: dict):
         """The values of the parameters after the positional ones, in the kernel's order, or None if one is missing

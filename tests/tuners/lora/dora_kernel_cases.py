@@ -485,6 +485,55 @@ def test_decode_tier_in_a_model_and_its_fallbacks(dora_env, monkeypatch):
     assert dora.TIER_DECODE not in tiers
 
 
+def test_decode_plan_is_reused_and_never_stale(dora_env):
+    """A layer keeps its decode launches (DecodePlan) across steps of the same shapes, and builds new ones when its
+    factors change (an in-place edit of B, a new magnitude) or the rows do (more tokens, another dtype under
+    autocast); outputs always equal a fresh computation. Deep copies start without a plan."""
+    import copy
+
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import dora
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40))
+    config = LoraConfig(target_modules=["0"], use_dora=True, init_lora_weights=False, r=4)
+    peft_model = get_peft_model(model, config).eval()
+    layer = peft_model.base_model.model[0]
+    slot = layer.lora_magnitude_vector["default"]._decode
+
+    def fresh(x):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dora, "_DECODE_KERNELS", False)
+            return peft_model(x)
+
+    with torch.no_grad():
+        x = torch.randn(1, 24)
+        first = peft_model(x)
+        plan = slot.plan
+        assert plan is not None
+        assert torch.equal(peft_model(x), first) and slot.plan is plan
+        x2 = torch.randn(1, 24)  # new values, same layout: same plan
+        assert_close(peft_model(x2), fresh(x2))
+        assert slot.plan is plan
+        for change in (
+            lambda: layer.lora_B["default"].weight.mul_(1.5),
+            lambda: layer.lora_magnitude_vector["default"].weight.add_(0.5),
+        ):
+            change()
+            out = peft_model(x)
+            assert slot.plan is not plan
+            plan = slot.plan
+            assert_close(out, fresh(x))
+        x3 = torch.randn(3, 24)
+        assert_close(peft_model(x3), fresh(x3))
+        assert slot.plan is not plan and slot.plan.tokens == 3
+        twin = copy.deepcopy(peft_model)
+        assert twin.base_model.model[0].lora_magnitude_vector["default"]._decode.plan is None
+        assert_close(twin(x3), peft_model(x3))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The LoRA branch inside the output's node (FusedDoRALinearFunction).
 # ---------------------------------------------------------------------------------------------------------------

@@ -274,16 +274,23 @@ def test_decode_kernels_match_twin(tokens, d_in, rank, d_out, mode, bias):
 
 def test_decode_tier_in_generation_matches_matmul_path(monkeypatch):
     """A DoRA Linear in eval decodes one token through the two launches, with the same output as the matmul path
-    (within the rounding of sums in another order)."""
+    (within the rounding of sums in another order), also on the next steps, whose launches go direct."""
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(512, 1024, bias=True)).cuda().to(torch.bfloat16)
     config = LoraConfig(r=64, lora_alpha=32, target_modules=["0"], use_dora=True, init_lora_weights=False)
     model = get_peft_model(base, config).to(torch.bfloat16).eval()
     x = torch.randn(1, 1, 512, device="cuda", dtype=torch.bfloat16)
+    slot = model.base_model.model[0].lora_magnitude_vector["default"]._decode
     with torch.no_grad():
         dora.tier_counts.clear()
         out = model(x)
         assert dora.tier_counts == {dora.TIER_DECODE: 1}
+        plan = slot.plan
+        assert plan.token_a is not None and plan.token_out is not None  # the next steps call the kernels directly
+        x2 = torch.randn_like(x)
+        again, out2 = model(x), model(x2)
+        assert slot.plan is plan and torch.equal(again, out)
         monkeypatch.setattr(dora, "_DECODE_KERNELS", False)
-        ref = model(x)
+        ref, ref2 = model(x), model(x2)
     assert_close(out, ref, dtype=torch.bfloat16)
+    assert_close(out2, ref2, dtype=torch.bfloat16)
