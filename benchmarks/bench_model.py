@@ -622,11 +622,16 @@ def headline_values(doc: dict) -> dict:
 
 
 def update_headline(doc: dict, path: Path) -> dict:
-    """Read-modify-write ``path``: set the keys we computed (None values skipped), keep every other key."""
+    """Read-modify-write ``path``: set the keys we computed, drop those the run did not measure (None), keep every
+    other key (added by hand)."""
     if doc.get("kind") != "gpu" and "cpu_smoke" not in path.parts:
         raise SystemExit(f"refusing to write CPU numbers into {path}: CPU runs write under results/cpu_smoke/")
     current = json.loads(path.read_text()) if path.exists() else {}
-    new = {k: v for k, v in headline_values(doc).items() if v is not None}
+    values = headline_values(doc)
+    new = {k: v for k, v in values.items() if v is not None}
+    for k, v in values.items():  # a key this run could have measured but did not: no older run's value stays
+        if v is None:
+            current.pop(k, None)
     current.update(new)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")

@@ -96,3 +96,13 @@ def test_merge_replaces_a_mode_and_rank_as_a_whole():
     rows = {(r["impl"], r["rank"]): r["median_ms"] for r in merged["speed"]}
     # the older run's reuse row at (bf16, 8) goes: the newer run measured that mode and rank without it
     assert rows == {("lora", 8): 12.0, ("ours_fused", 8): 13.0, ("lora", 64): 5.0}
+
+
+def test_headline_drops_keys_the_run_did_not_measure(tmp_path):
+    path = tmp_path / "headline.json"
+    path.write_text('{"dora_over_lora_decode_norm_cache": 0.9, "by_hand": 3.4}')
+    doc = dict(_doc([_rec("lora", 10.0, 0), _rec("ours_fused", 11.0, 0)]), kind="gpu")
+    bench_model.update_headline(doc, path)
+    head = __import__("json").loads(path.read_text())
+    assert head["dora_over_lora_train_bf16"] == 1.1 and head["by_hand"] == 3.4
+    assert "dora_over_lora_decode_norm_cache" not in head  # this run had no NORM_CACHE row: no stale value stays
