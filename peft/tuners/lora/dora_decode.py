@@ -163,44 +163,42 @@ def plan_key(x: torch.Tensor, result: torch.Tensor) -> tuple:
 
 class DecodePlan:
     """The two launches of :func:`decode_output` for one signature: grids, block sizes and integer arguments fixed,
-    and (after the first call) Triton's compiled kernels called directly (``Launcher.prepare``/``repeat``), so a
-    repeated decode step skips the layout checks and the launch signatures. A layer keeps one, valid while
-    :func:`plan_key` of its inputs and its reused factors tensor (``factors``, by identity) hold."""
+    and (after the first call) Triton's compiled kernels called directly (the token ``Launcher.launch`` returns,
+    then ``Launcher.repeat``), so a repeated decode step skips the layout checks and the launch signatures. A layer
+    keeps one, valid while :func:`plan_key` of its inputs and its reused factors tensor (``factors``, by identity)
+    hold."""
 
-    __slots__ = ("key", "factors", "scale", "has_bias", "dtype", "tokens", "rank", "d_out", "args_a", "args_out",
+    __slots__ = ("key", "factors", "dtype", "tokens", "rank", "weight_a", "weight_b", "ints_a", "ints_out",
                  "grid_a", "grid_out", "meta_a", "meta_out", "token_a", "token_out")  # fmt: skip
 
     def __init__(self, key, x, result, weight_a, weight_b, factors, scale: float, layout, has_bias: bool) -> None:
         stride_x, stride_result, dtype = layout
-        self.key, self.factors, self.scale, self.has_bias, self.dtype = key, factors, float(scale), has_bias, dtype
+        self.key, self.factors, self.dtype, self.weight_a, self.weight_b = key, factors, dtype, weight_a, weight_b
         self.rank, d_in = weight_a.shape
-        self.d_out = weight_b.shape[0]
-        self.tokens = result.numel() // self.d_out
+        d_out = weight_b.shape[0]
+        self.tokens = result.numel() // d_out
         block_t = _next_pow2(self.tokens)
         block_r = 4 if self.rank <= 128 else 8
         block_k = max(32, min(1024, 4096 // (block_t * block_r)))
         self.grid_a = (_cdiv(self.rank, block_r),)
         self.meta_a = {"BLOCK_T": block_t, "BLOCK_R": block_r, "BLOCK_K": block_k}
-        self.args_a = (weight_a, self.tokens, d_in, self.rank, stride_x, weight_a.stride(0))
+        self.ints_a = (self.tokens, d_in, self.rank, stride_x, weight_a.stride(0))
         block_n = 32
-        self.grid_out = (_cdiv(self.d_out, block_n),)
+        self.grid_out = (_cdiv(d_out, block_n),)
         block_rank = max(16, min(128, 4096 // (block_t * block_n)))
         self.meta_out = {"HAS_BIAS": has_bias, "BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_R": block_rank}
-        self.args_out = (weight_b, factors, self.tokens, self.rank, self.d_out, weight_b.stride(0), stride_result,
-                         self.d_out, self.scale)  # fmt: skip
+        self.ints_out = (self.tokens, self.rank, d_out, weight_b.stride(0), stride_result, d_out, float(scale))
         self.token_a = self.token_out = None
 
     def run(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         """The decode output for rows that match the plan's key; a new tensor shaped like ``result``."""
         a = torch.empty((self.tokens, self.rank), dtype=self.dtype, device=result.device)
         out = torch.empty(result.shape, dtype=self.dtype, device=result.device)
-        w_a, *ints_a = self.args_a
-        args_a = (x, w_a, a, *ints_a)
-        w_b, factors, *ints_out = self.args_out
-        args_out = (a, w_b, result, factors, out, *ints_out)
+        args_a = (x, self.weight_a, a, *self.ints_a)
+        args_out = (a, self.weight_b, result, self.factors, out, *self.ints_out)
         if self.token_a is None:  # first launch: compile or find the kernels, keep them for direct calls
-            self.token_a = _decode_a_kernel.prepare(self.grid_a, args_a, self.meta_a)
-            self.token_out = _decode_out_kernel.prepare(self.grid_out, args_out, self.meta_out)
+            self.token_a = _decode_a_kernel.launch(self.grid_a, args_a, self.meta_a)
+            self.token_out = _decode_out_kernel.launch(self.grid_out, args_out, self.meta_out)
         else:
             _decode_a_kernel.repeat(self.token_a, self.grid_a, args_a, self.meta_a)
             _decode_out_kernel.repeat(self.token_out, self.grid_out, args_out, self.meta_out)

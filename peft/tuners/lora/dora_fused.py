@@ -302,9 +302,15 @@ def _output_operands(result, bias, magnitude, weight_norm) -> bool:
     """The one-pass output's rules for its [d_out] operands, given a ``result`` that ``_layout`` accepts."""
     if magnitude.dim() != 1 or not norm_operand(weight_norm, magnitude):
         return False
-    return bias is None or (
+    return bias is None or _bias_operand(bias, magnitude, result.device)
+
+
+def _bias_operand(bias: torch.Tensor, magnitude: torch.Tensor, device: torch.device) -> bool:
+    """Whether the one-pass kernels read ``bias`` (subtracted from ``result`` as a constant): a frozen contiguous
+    vector shaped like ``magnitude``, in a kernel dtype, on ``device``."""
+    return (
         bias.shape == magnitude.shape and bias.dtype in _KERNEL_DTYPES and bias.is_contiguous()
-        and bias.device == result.device and not bias.requires_grad
+        and bias.device == device and not bias.requires_grad
     )  # fmt: skip
 
 
@@ -333,10 +339,7 @@ def branch_node_stride(a, result, weight_b, magnitude, bias) -> int | None:
     device = result.device
     if magnitude.device != device or a.device != device:
         return None
-    if bias is not None and not (
-        bias.shape == magnitude.shape and bias.dtype in _KERNEL_DTYPES and bias.is_contiguous()
-        and bias.device == device and not bias.requires_grad
-    ):  # fmt: skip
+    if bias is not None and not _bias_operand(bias, magnitude, device):
         return None
     return _row_stride(result)
 

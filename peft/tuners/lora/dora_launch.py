@@ -108,6 +108,12 @@ def _entry(kernel, tail: tuple) -> tuple:
     return run, kernel.function, (kernel.packed_metadata, None, None, None), tail
 
 
+def _goes_direct() -> bool:
+    """Whether a launch may call the compiled kernel directly: direct calls work in this process and no launch
+    hook is set."""
+    return _direct[0] and _idle(knobs.runtime.launch_enter_hook) and _idle(knobs.runtime.launch_exit_hook)
+
+
 class Launcher:
     """``Launcher(jit_fn)[grid](*runtime_args, **constexprs_and_options)``, launched directly where it can be."""
 
@@ -120,22 +126,25 @@ class Launcher:
     def __getitem__(self, grid):
         return lambda *args, **meta: self.launch(grid, args, meta)
 
-    def launch(self, grid: tuple, args: tuple, meta: dict) -> None:
-        if not (_direct[0] and _idle(knobs.runtime.launch_enter_hook) and _idle(knobs.runtime.launch_exit_hook)):
+    def launch(self, grid: tuple, args: tuple, meta: dict):
+        """Launch; return the token for :meth:`repeat` of this signature, or None where launches do not go direct."""
+        if not _goes_direct():
             self.fn[grid](*args, **meta)
-            return
+            return None
         device = torch.cuda.current_device()
         key = (device, _signature(args), *meta.items())
         entry = self._cache.get(key)
         if entry is None:
             kernel = self.fn[grid](*args, **meta)
             tail = self._constexpr_tail(len(args), meta)
-            if kernel is not None and tail is not None:
-                if len(self._cache) >= _MAX_ENTRIES:
-                    self._cache.clear()
-                self._cache[key] = _entry(kernel, tail)
-            return
-        self._call(entry, grid, device, args, meta)
+            if kernel is None or tail is None:
+                return None
+            if len(self._cache) >= _MAX_ENTRIES:
+                self._cache.clear()
+            entry = self._cache[key] = _entry(kernel, tail)
+        else:
+            self._call(entry, grid, device, args, meta)
+        return (entry, device) if _direct[0] else None
 
     def _call(self, entry, grid: tuple, device: int, args: tuple, meta: dict) -> None:
         call, function, lead, tail = entry
@@ -150,23 +159,12 @@ class Launcher:
             _direct[0] = False
             self.fn[grid](*args, **meta)
 
-    def prepare(self, grid: tuple, args: tuple, meta: dict):
-        """Launch like ``self[grid](*args, **meta)`` and return a token for :meth:`repeat`, which launches the same
-        signature again without computing it (None where launches do not go direct)."""
-        self.launch(grid, args, meta)
-        if not _direct[0]:
-            return None
-        device = torch.cuda.current_device()
-        entry = self._cache.get((device, _signature(args), *meta.items()))
-        return None if entry is None else (entry, device)
-
     def repeat(self, token, grid: tuple, args: tuple, meta: dict) -> None:
-        """Launch ``args`` whose signature is the one ``token`` was prepared with: every integer argument equal,
-        every tensor of the same dtype and 16-byte alignment, on the same device (the caller's guarantee: nothing is
-        checked here). Launch hooks and a failed direct call take Triton's own path, as in :meth:`launch`."""
-        if token is None or not (
-            _direct[0] and _idle(knobs.runtime.launch_enter_hook) and _idle(knobs.runtime.launch_exit_hook)
-        ):
+        """Launch ``args`` whose signature is the one ``token`` (from :meth:`launch`) was made for: every integer
+        argument equal, every tensor of the same dtype and 16-byte alignment, on the same device (the caller's
+        guarantee: nothing is checked here). Launch hooks and a failed direct call take Triton's own path, as in
+        :meth:`launch`."""
+        if token is None or not _goes_direct():
             self.fn[grid](*args, **meta)
         elif torch.cuda.current_device() != token[1]:
             self.launch(grid, args, meta)

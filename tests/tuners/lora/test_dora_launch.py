@@ -168,3 +168,27 @@ def test_signature_keys():
     x = torch.zeros(8)
     assert dora_launch._signature((x, 3, 0.5, None)) == (torch.float32, 0, 3, float, type(None))
     assert dora_launch._signature((x[1:],)) == (torch.float32, 4)
+
+
+def test_launch_token_repeats_the_signature_directly(direct):
+    """``launch`` returns a token for its signature (the decode plans keep it); ``repeat`` calls the compiled kernel
+    with new arguments of that signature, through Triton's path while a launch hook is set, through ``launch`` on
+    another current device, and a signature without its constexprs gets no token."""
+    compiled = FakeCompiled()
+    fn = FakeJit(["x_ptr", "n", "BLOCK"], compiled)
+    k = dora_launch.Launcher(fn)
+    x, y = torch.zeros(8), torch.ones(8)
+    token = k.launch((2,), (x, 8), {"BLOCK": 16})
+    assert token is not None and token[1] == 0 and len(fn.launches) == 1 and compiled.calls == []
+    assert k.launch((2,), (x, 8), {"BLOCK": 16}) == token  # a cached signature returns the same token
+    k.repeat(token, (2,), (y, 8), {"BLOCK": 16})
+    assert compiled.calls[-1] == (2, 1, 1, 1234, "fn", "meta", None, None, None, y, 8, 16)
+    hooks = dora_launch.knobs.runtime
+    hooks.launch_exit_hook = lambda *a: None
+    k.repeat(token, (2,), (y, 8), {"BLOCK": 16})
+    assert len(fn.launches) == 2 and len(compiled.calls) == 2
+    hooks.launch_exit_hook = None
+    direct.setattr(torch.cuda, "current_device", lambda: 1)
+    k.repeat(token, (2,), (y, 8), {"BLOCK": 16})  # a new signature on device 1: Triton's path, then cached
+    assert len(fn.launches) == 3
+    assert k.launch((2,), (x, 8), {}) is None  # BLOCK left to its default: no direct call, no token
