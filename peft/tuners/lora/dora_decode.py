@@ -154,46 +154,53 @@ def decode_layout(x, result, weight_a, weight_b) -> Optional[tuple[int, int, tor
 
 def plan_key(x: torch.Tensor, result: torch.Tensor) -> tuple:
     """What a :class:`DecodePlan` is valid for besides the factors (W, A, B, m, bias, s, whose reused ``factors``
-    tensor it holds): the rows' shapes, strides, dtypes and 16-byte alignment, and the compute dtype."""
+    tensor it holds): the rows' shapes, strides, dtypes and 16-byte alignment, the compute dtype, the device and, on
+    CUDA, the current stream (the plan's ``a`` buffer is written and read in stream order)."""
+    stream = torch._C._cuda_getCurrentRawStream(result.get_device()) if result.is_cuda else None
     return (
         x.shape, x.stride(), x.dtype, x.data_ptr() & 15, result.shape, result.stride(), result.dtype,
-        result.data_ptr() & 15, compute_dtype(x), result.device,
+        result.data_ptr() & 15, compute_dtype(x), result.device, stream,
     )  # fmt: skip
 
 
 class DecodePlan:
     """The two launches of :func:`decode_output` for one signature: grids, block sizes and integer arguments fixed,
-    and (after the first call) Triton's compiled kernels called directly (the token ``Launcher.launch`` returns,
-    then ``Launcher.repeat``), so a repeated decode step skips the layout checks and the launch signatures. A layer
-    keeps one, valid while :func:`plan_key` of its inputs and its reused factors tensor (``factors``, by identity)
-    hold."""
+    the ``[rows, r]`` buffer for ``a`` allocated once, and (after the first call) Triton's compiled kernels called
+    directly (the token ``Launcher.launch`` returns, then ``Launcher.repeat``), so a repeated decode step skips the
+    layout checks, the launch signatures and one allocation. A layer keeps one, valid while :func:`plan_key` of its
+    inputs (which includes the stream: the buffer is reused in stream order) and its reused factors tensor
+    (``factors``, by identity) hold."""
 
-    __slots__ = ("key", "factors", "dtype", "tokens", "rank", "weight_a", "weight_b", "ints_a", "ints_out",
-                 "grid_a", "grid_out", "meta_a", "meta_out", "token_a", "token_out")  # fmt: skip
+    __slots__ = ("key", "factors", "contiguous", "weight_a", "weight_b", "a", "ints_a", "ints_out", "grid_a",
+                 "grid_out", "meta_a", "meta_out", "token_a", "token_out")  # fmt: skip
 
     def __init__(self, key, x, result, weight_a, weight_b, factors, scale: float, layout, has_bias: bool) -> None:
         stride_x, stride_result, dtype = layout
-        self.key, self.factors, self.dtype, self.weight_a, self.weight_b = key, factors, dtype, weight_a, weight_b
-        self.rank, d_in = weight_a.shape
+        self.key, self.factors, self.weight_a, self.weight_b = key, factors, weight_a, weight_b
+        rank, d_in = weight_a.shape
         d_out = weight_b.shape[0]
-        self.tokens = result.numel() // d_out
-        block_t = _next_pow2(self.tokens)
-        block_r = 4 if self.rank <= 128 else 8
+        tokens = result.numel() // d_out
+        self.a = torch.empty((tokens, rank), dtype=dtype, device=result.device)
+        # the output is written as contiguous rows: `empty_like` (the cheaper allocation) where `result` has them
+        self.contiguous = result.is_contiguous()
+        block_t = _next_pow2(tokens)
+        block_r = 4 if rank <= 128 else 8
         block_k = max(32, min(1024, 4096 // (block_t * block_r)))
-        self.grid_a = (_cdiv(self.rank, block_r),)
+        self.grid_a = (_cdiv(rank, block_r),)
         self.meta_a = {"BLOCK_T": block_t, "BLOCK_R": block_r, "BLOCK_K": block_k}
-        self.ints_a = (self.tokens, d_in, self.rank, stride_x, weight_a.stride(0))
+        self.ints_a = (tokens, d_in, rank, stride_x, weight_a.stride(0))
         block_n = 32
         self.grid_out = (_cdiv(d_out, block_n),)
         block_rank = max(16, min(128, 4096 // (block_t * block_n)))
         self.meta_out = {"HAS_BIAS": has_bias, "BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_R": block_rank}
-        self.ints_out = (self.tokens, self.rank, d_out, weight_b.stride(0), stride_result, d_out, float(scale))
+        self.ints_out = (tokens, rank, d_out, weight_b.stride(0), stride_result, d_out, float(scale))
         self.token_a = self.token_out = None
 
     def run(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         """The decode output for rows that match the plan's key; a new tensor shaped like ``result``."""
-        a = torch.empty((self.tokens, self.rank), dtype=self.dtype, device=result.device)
-        out = torch.empty(result.shape, dtype=self.dtype, device=result.device)
+        a = self.a
+        # `result` is in the compute dtype (decode_layout)
+        out = torch.empty_like(result) if self.contiguous else torch.empty(result.shape, dtype=a.dtype, device=a.device)
         args_a = (x, self.weight_a, a, *self.ints_a)
         args_out = (a, self.weight_b, result, self.factors, out, *self.ints_out)
         if self.token_a is None:  # first launch: compile or find the kernels, keep them for direct calls

@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CONTIGUOUS = torch.contiguous_format  # fresh buffers get contiguous rows whatever the template's strides
 
 # ---------------------------------------------------------------------------------------------------------------
 # Triton kernels.
@@ -442,9 +443,10 @@ def _backward_triton(
     stride_d_out, stride_inner = strides or (_row_stride(d_out), _row_stride(inner if needs_mag_grad else d_out))
     n_cols = d_out.shape[-1]
     n_rows = d_out.numel() // n_cols
-    d_lora = torch.empty(d_out.shape, dtype=d_out.dtype, device=d_out.device) if needs_lora_grad else None
-    d_base = torch.empty(d_out.shape, dtype=d_out.dtype, device=d_out.device) if needs_base_grad else None
-    d_mag = torch.empty(g.shape, dtype=g.dtype, device=g.device) if needs_mag_grad else None
+    # `empty_like` rather than `empty(shape, dtype=, device=)`: a third of the host time (keyword parsing)
+    d_lora = torch.empty_like(d_out, memory_format=_CONTIGUOUS) if needs_lora_grad else None
+    d_base = torch.empty_like(d_out, memory_format=_CONTIGUOUS) if needs_base_grad else None
+    d_mag = torch.empty_like(g, memory_format=_CONTIGUOUS) if needs_mag_grad else None
     block_m, block_n, warps = _policy(n_rows, n_cols)
     n_col_blocks = _cdiv(n_cols, block_n)
     rows_per_program = _backward_rows_per_program(_next_pow2(n_rows), n_col_blocks, block_m)
@@ -687,7 +689,7 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
         from_output = needs_mag and _output_saves_itself(magnitude)
         inner = None
         if needs_mag and not from_output:
-            inner = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device)
+            inner = torch.empty_like(lora, memory_format=_CONTIGUOUS)
         if lora.numel() > 0:
             _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, inner, strides)
         ctx.mark_dirty(lora)
@@ -743,7 +745,7 @@ class FusedDoRALinearFunction(torch.autograd.Function):
         lora = F.linear(a, weight_b.to(a.dtype))
         needs_mag = ctx.needs_input_grad[3]
         from_output = needs_mag and _output_saves_itself(magnitude)
-        inner = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device) if needs_mag and not from_output else None
+        inner = torch.empty_like(lora, memory_format=_CONTIGUOUS) if needs_mag and not from_output else None
         if lora.numel() > 0:
             strides = (stride, lora.shape[-1])  # F.linear's output is contiguous
             _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, inner, strides)

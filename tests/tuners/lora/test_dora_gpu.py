@@ -294,3 +294,33 @@ def test_decode_tier_in_generation_matches_matmul_path(monkeypatch):
         ref, ref2 = model(x), model(x2)
     assert_close(out, ref, dtype=torch.bfloat16)
     assert_close(out2, ref2, dtype=torch.bfloat16)
+
+
+def test_decode_plan_follows_the_stream():
+    """The plan's ``a`` buffer is reused in stream order: a decode step on another stream builds its own plan (and
+    buffer), the first stream's plan is built again when it returns, and every output equals the one computed alone.
+    Both streams run their steps back to back without synchronising in between."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(256, 512, bias=False)).cuda().to(torch.bfloat16)
+    config = LoraConfig(r=32, lora_alpha=16, target_modules=["0"], use_dora=True, init_lora_weights=False)
+    model = get_peft_model(base, config).to(torch.bfloat16).eval()
+    slot = model.base_model.model[0].lora_magnitude_vector["default"]._decode
+    xs = [torch.randn(1, 256, device="cuda", dtype=torch.bfloat16) for _ in range(6)]
+    side = torch.cuda.Stream()
+    with torch.no_grad():
+        alone = [model(x).clone() for x in xs]
+        plan = slot.plan
+        outs = []
+        side.wait_stream(torch.cuda.current_stream())
+        for i, x in enumerate(xs):
+            if i % 2:
+                with torch.cuda.stream(side):
+                    outs.append(model(x))
+                assert slot.plan is not plan
+            else:
+                outs.append(model(x))
+            plan = slot.plan
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+    for out, want in zip(outs, alone):
+        assert torch.equal(out, want)
