@@ -50,6 +50,28 @@ if _HAS_TRITON:
 
     from .dora_launch import Launcher
 
+    @triton.jit
+    def _rows_dot(
+        x_ptr, stride_x, tokens, token_mask, w_ptr, stride_w, rows, row_mask, n_k, dtype_ptr, BLOCK_K: tl.constexpr
+    ):
+        """acc[t, j] = Σ_k x[t, k]·W[j, k] over ``n_k`` columns (unit column stride), both factors rounded to
+        ``dtype_ptr``'s element type (the compute dtype) and the products summed in fp32: one GEMV step of F.linear
+        for a few rows, as a broadcast product reduced in registers."""
+        acc = tl.zeros((tokens.shape[0], rows.shape[0]), dtype=tl.float32)
+        for k0 in range(0, n_k, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < n_k
+            x = tl.load(
+                x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=token_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            w = tl.load(
+                w_ptr + rows[:, None] * stride_w + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            x = x.to(dtype_ptr.dtype.element_ty).to(tl.float32)
+            w = w.to(dtype_ptr.dtype.element_ty).to(tl.float32)
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        return acc
+
     @Launcher
     @triton.jit
     def _decode_a_kernel(
@@ -61,19 +83,7 @@ if _HAS_TRITON:
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         tokens = tl.arange(0, BLOCK_T)
         row_mask, token_mask = rows < rank, tokens < n_tokens
-        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, d_in, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_mask = ks < d_in
-            x = tl.load(
-                x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=token_mask[:, None] & k_mask[None, :], other=0.0
-            )
-            w = tl.load(
-                w_ptr + rows[:, None] * stride_w + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
-            )
-            x = x.to(a_ptr.dtype.element_ty).to(tl.float32)
-            w = w.to(a_ptr.dtype.element_ty).to(tl.float32)
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        acc = _rows_dot(x_ptr, stride_x, tokens, token_mask, w_ptr, stride_w, rows, row_mask, d_in, a_ptr, BLOCK_K)
         out = a_ptr + tokens[:, None] * rank + rows[None, :]
         tl.store(out, acc.to(a_ptr.dtype.element_ty), mask=token_mask[:, None] & row_mask[None, :])
 
@@ -89,18 +99,7 @@ if _HAS_TRITON:
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tokens = tl.arange(0, BLOCK_T)
         col_mask, token_mask = cols < d_out, tokens < n_tokens
-        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            rs = r0 + tl.arange(0, BLOCK_R)
-            r_mask = rs < rank
-            a = tl.load(
-                a_ptr + tokens[:, None] * rank + rs[None, :], mask=token_mask[:, None] & r_mask[None, :], other=0.0
-            )
-            w = tl.load(
-                w_ptr + cols[:, None] * stride_w + rs[None, :], mask=col_mask[:, None] & r_mask[None, :], other=0.0
-            )
-            w = w.to(a_ptr.dtype.element_ty).to(tl.float32)
-            acc += tl.sum(a.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        acc = _rows_dot(a_ptr, rank, tokens, token_mask, w_ptr, stride_w, cols, col_mask, rank, a_ptr, BLOCK_R)
         lora = acc.to(a_ptr.dtype.element_ty).to(tl.float32)
         mask = token_mask[:, None] & col_mask[None, :]
         result = tl.load(result_ptr + tokens[:, None] * stride_result + cols[None, :], mask=mask, other=0.0).to(
