@@ -61,7 +61,8 @@ DORA_IMPLS = ("upstream", "ours_eager", "ours_fused")
 CONVERGENCE_IMPLS = DORA_IMPLS + ("ours_fused_forced", "upstream_ulp")
 MODES = ("autocast", "bf16")
 MEASURES = ("train", "train_accum4", "step_accum4", "infer", "decode")
-EXTRA_MEASURES = ("decode_cached",)  # opt-in: decode under peft.helpers.DoraCaching
+# opt-in: decode under peft.helpers.DoraCaching; decode of a DoRA impl paired with a LoRA twin in its own process
+EXTRA_MEASURES = ("decode_cached", "decode_paired")
 TASKS = ("speed", "fidelity", "convergence", "profile")
 
 PRESETS = {
@@ -132,6 +133,8 @@ def parse_args(argv=None):
     )
     a("--round-impls", help="impls repeated in every round (default: all); the others run in the first round only")
     a("--warmup", type=int, default=2)
+    a("--decode-pairs", type=int, default=8, help="DoRA/LoRA generations per decode_paired measure (ABBA order)")
+    a("--paired-impls", default="ours_fused", help="DoRA impls that run decode_paired (with its measure)")
     a("--prompt-tokens", type=int, help="generation prompt (default 128; tiny 16)")
     a("--new-tokens", type=int, help="generated tokens (default 128; tiny 8)")
     a("--headline-rank", type=int, help="rank for the headline ratios (default 384; tiny 8)")
@@ -239,6 +242,10 @@ def resolve_config(args) -> dict:
         "rounds": max(1, args.rounds),
         "round_impls": _names(args.round_impls, IMPLS) if args.round_impls else None,
         "warmup": args.warmup,
+        "decode_paired": {
+            "pairs": max(1, args.decode_pairs),
+            "impls": _names(args.paired_impls, [n for n in IMPLS if IMPLS[n]["dora"]]),
+        },
         "headline_rank": headline_rank,
         "fidelity": {
             "rank": args.fidelity_rank or headline_rank,
@@ -389,6 +396,9 @@ def estimate_s(cfg: dict, job: dict) -> float:
             per_tok = DECODE_S_PER_TOKEN_PER_LAYER * layers + dense_norm / EFFECTIVE_FLOPS
             total += ("decode" in meas) * (cfg["repeats"] + 1) * m["new_tokens"] * per_tok
             total += ("decode_cached" in meas) * (cfg["repeats"] + 1) * m["new_tokens"] * per_tok / 2
+            if "decode_paired" in meas and job["impl"] in cfg["decode_paired"]["impls"]:  # the LoRA twin: ~1/3
+                pairs = cfg["decode_paired"]["pairs"] + 1
+                total += STARTUP_S / 2 + pairs * m["new_tokens"] * per_tok * (1 + 1 / 3)
     if "fidelity" in job["tasks"]:
         total += 3 * (STARTUP_S / 2)
     if "convergence" in job["tasks"]:
@@ -415,6 +425,7 @@ def run_job(job: dict, cfg: dict, targets: dict, workdir: Path, timeout: float |
         "measures": cfg["measures"],
         "repeats": cfg["repeats"],
         "warmup": cfg["warmup"],
+        "decode_paired": cfg["decode_paired"],
         "fidelity": cfg["fidelity"],
         "convergence": cfg["convergence"],
         "profile": cfg["profile"],
@@ -550,6 +561,13 @@ def collapse_rounds(records: list) -> list:
         merged["max_ms"] = max(r["max_ms"] for r in recs)
         peaks = [r["peak_delta_mb"] for r in recs if r.get("peak_delta_mb") is not None]
         merged["peak_delta_mb"] = max(peaks) if peaks else None
+        if all("pair_ratios" in r for r in recs):  # decode_paired: every pair of every round counts once
+            for x, r in zip(merged["rounds"], recs):
+                x.update(lora_median_ms=r["lora_median_ms"], ratio_median=r["ratio_median"])
+            merged["pair_ratios"] = [q for r in recs for q in r["pair_ratios"]]
+            merged["ratio_median"] = statistics.median(merged["pair_ratios"])
+            merged["lora_median_ms"] = statistics.median(r["lora_median_ms"] for r in recs)
+            merged.pop("lora_samples_ms", None)
         out.append(merged)
     return out
 
@@ -601,6 +619,9 @@ def headline_values(doc: dict) -> dict:
         out["norm_calls_per_optimizer_step" + suffix] = calls
         out["dora_over_lora_decode" + suffix] = ratio(impl, "lora", "autocast", "decode_per_token")
     out["dora_over_lora_decode_bf16"] = ratio("ours_fused", "lora", "bf16", "decode_per_token")
+    for mode, suffix in (("autocast", ""), ("bf16", "_bf16")):  # DoRA and its LoRA twin in one process, ABBA
+        paired = v("ours_fused", mode, "decode_per_token_paired", "ratio_median")
+        out["dora_over_lora_decode_paired" + suffix] = None if paired is None else round(paired, 4)
     for measure in ("train", "infer"):
         out[f"dora_over_lora_{measure}_autocast_norm_cache"] = ratio("ours_fused_reuse", "lora", "autocast", measure)
     peak_ours, peak_lora = (
@@ -708,6 +729,10 @@ def absorb(doc: dict, result: dict, fidelity_files: dict) -> None:
     doc["errors"].extend(result.get("errors", []))
 
 
+def _merge_key(record: dict) -> tuple:
+    return record["mode"], record["rank"], "pair_ratios" in record
+
+
 def merge_docs(docs: list) -> dict:
     """Later documents win per (mode, rank) of speed records and per fidelity/profile/convergence entry."""
     out = json.loads(json.dumps(docs[0]))
@@ -720,9 +745,10 @@ def merge_docs(docs: list) -> dict:
         out["runs"].extend(d["runs"])
         out["impls"].update(d["impls"])
         # a later run replaces every speed record of each (mode, rank) it measured, so that a mode's and rank's rows
-        # always come from one run (an implementation it left out is not filled in from an older revision)
-        keys = {(r["mode"], r["rank"]) for r in d["speed"]}
-        out["speed"] = [r for r in out["speed"] if (r["mode"], r["rank"]) not in keys]
+        # always come from one run (an implementation it left out is not filled in from an older revision); a paired
+        # decode record carries its own LoRA twin, so paired and unpaired rows are replaced separately
+        keys = {_merge_key(r) for r in d["speed"]}
+        out["speed"] = [r for r in out["speed"] if _merge_key(r) not in keys]
         out["speed"].extend(d["speed"])
         if d["fidelity"].get("metrics", {}).get("modes"):
             out["fidelity"] = d["fidelity"]
@@ -778,6 +804,13 @@ def print_summary(doc: dict) -> None:
         if r.get("rounds") and r["measure"] in SUMMARY_MEASURES:
             per = " ".join(f"{x['median_ms']:.2f}" for x in r["rounds"])
             print(f"rounds {r['mode']:8s} r={r['rank']:<4d} {r['impl']:11s} {r['measure']}: {per}")
+    for r in doc["speed"]:
+        if "pair_ratios" in r:
+            per = " ".join(f"{q:.3f}" for q in r["pair_ratios"])
+            print(
+                f"paired {r['mode']:8s} r={r['rank']:<4d} {r['impl']:11s} decode ms/token {r['median_ms']:.2f} vs "
+                f"LoRA {r['lora_median_ms']:.2f}, ratio median {r['ratio_median']:.3f} of: {per}"
+            )
     fid = doc.get("fidelity", {}).get("metrics", {}).get("modes", {})
     for mode, per in fid.items():
         print(f"fidelity {mode}: logits_cos_gap_vs_upstream {per.get('logits_cos_gap_vs_upstream')}")

@@ -21,11 +21,20 @@ def markers(name: str) -> tuple[str, str]:
 
 
 BEGIN, END = markers("model")
-IMPLS = (("upstream", "upstream PEFT 0.21.2 DoRA"), ("ours_eager", "ours, eager"), ("ours_fused", "ours, fused"),
-         ("lora", "plain LoRA (floor)"), ("ours_fused_reuse", "ours, fused, `PEFT_DORA_NORM_CACHE=1`"),
-         ("ours_fused_forced", "ours, fused forced (`PEFT_DORA_FUSED_BACKWARD=1`)"))
-COLUMNS = (("train", "train step ms"), ("train_accum4", "train ×4 accum ms"), ("infer", "inference ms"),
-           ("decode_per_token", "decode ms/token"))
+IMPLS = (
+    ("upstream", "upstream PEFT 0.21.2 DoRA"),
+    ("ours_eager", "ours, eager"),
+    ("ours_fused", "ours, fused"),
+    ("lora", "plain LoRA (floor)"),
+    ("ours_fused_reuse", "ours, fused, `PEFT_DORA_NORM_CACHE=1`"),
+    ("ours_fused_forced", "ours, fused forced (`PEFT_DORA_FUSED_BACKWARD=1`)"),
+)
+COLUMNS = (
+    ("train", "train step ms"),
+    ("train_accum4", "train ×4 accum ms"),
+    ("infer", "inference ms"),
+    ("decode_per_token", "decode ms/token"),
+)
 
 
 def _get(doc, impl, mode, measure, rank, key="median_ms"):
@@ -57,8 +66,9 @@ def render(doc: dict, ranks=None) -> str:
         "allocation in a training step."
     )
     lines.append("")
-    head = ["mode", "r", "implementation"] + [c for _, c in COLUMNS] + ["speedup train / infer / decode",
-                                                                          "train peak MB"]
+    head = (
+        ["mode", "r", "implementation"] + [c for _, c in COLUMNS] + ["speedup train / infer / decode", "train peak MB"]
+    )
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     for mode in ("autocast", "bf16"):

@@ -313,6 +313,53 @@ def speed_rank(model, cfg, mode, device, measures, warmup, repeats) -> dict:
     return results
 
 
+def decode_paired(model, cfg, rank, mode, device, pairs: int) -> dict:
+    """Per-token decode of this DoRA model and of a plain-LoRA twin built in the same process (same base weights and
+    seeded A, B; this package's LoRA path, which the overlay leaves as upstream's), alternated ``pairs`` times in
+    ABBA order. Separate subprocesses minutes apart see different host speeds, and decode is host-bound; a pair
+    measured back to back shares them, so the median of the per-pair ratios is the tighter DoRA/LoRA figure."""
+    twin = wrap(build_base(cfg, device, torch.bfloat16), cfg, rank, {"dora": False}, mode)
+    seed_adapters(twin, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
+    models = {"dora": model.eval(), "lora": twin.eval()}
+    ids, _ = make_inputs(cfg, device)
+    prompt, new = ids[:, : cfg["prompt_tokens"]], cfg["new_tokens"]
+    timer = Timer(device)
+
+    @torch.no_grad()
+    def per_token(m) -> float:
+        pre, gen = [], []
+        with precision_ctx(mode, device):
+            with timer.region(pre):
+                m(input_ids=prompt, use_cache=True)
+            with timer.region(gen):
+                out = m.generate(input_ids=prompt, max_new_tokens=new, do_sample=False, use_cache=True)
+        if out.shape[1] != prompt.shape[1] + new:
+            raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} new tokens, not {new}")
+        return (gen[0] - pre[0]) / new
+
+    for m in models.values():  # warm-up: compile, plans, caches
+        per_token(m)
+    times = {"dora": [], "lora": []}
+    counts0 = tier_counts()
+    for k in range(pairs):
+        for name in ("dora", "lora") if k % 2 == 0 else ("lora", "dora"):
+            times[name].append(per_token(models[name]))
+    tiers = _delta(counts0, tier_counts())
+    ratios = [d / lo for d, lo in zip(times["dora"], times["lora"])]
+    out = {"measure": "decode_per_token_paired", **summary(times["dora"])}
+    out.update(
+        lora_median_ms=statistics.median(times["lora"]),
+        lora_samples_ms=[round(t, 4) for t in times["lora"]],
+        pair_ratios=[round(r, 4) for r in ratios],
+        ratio_median=statistics.median(ratios),
+        tiers=tiers,
+    )
+    model.train()
+    del models, twin
+    release()
+    return out
+
+
 def decode(model, ids, cfg, ctx, device, warmup, repeats, suffix: str) -> dict:
     """Prefill and KV-cached greedy generation; per-token decode = (generate - median prefill) / new tokens.
 
@@ -363,6 +410,15 @@ def task_speed(spec, impl, cfg, device, records: list, flush) -> list:
             flush()
             line = ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in res.items())
             print(f"[{impl['name']}] {mode} r={rank}: {line} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
+            if "decode_paired" in spec["measures"] and impl["name"] in spec["decode_paired"]["impls"]:
+                paired = decode_paired(model, cfg, rank, mode, device, spec["decode_paired"]["pairs"])
+                records.append({"impl": impl["name"], "mode": mode, "rank": rank, **paired})
+                flush()
+                print(
+                    f"[{impl['name']}] {mode} r={rank}: decode paired with LoRA {paired['median_ms']:.2f} vs "
+                    f"{paired['lora_median_ms']:.2f} ms/token, ratio {paired['ratio_median']:.3f}",
+                    flush=True,
+                )
             base = model.unload()  # the base model without adapter layers, for the next rank
             release(model)
         release(base)

@@ -1,6 +1,6 @@
 """Plots for ``bench_model.py`` JSON: step times, peak memory and convergence, as PNGs.
 
-    python benchmarks/plot_model.py benchmarks/results/model_llama.json [--out-dir DIR]
+python benchmarks/plot_model.py benchmarks/results/model_llama.json [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -12,11 +12,19 @@ from pathlib import Path
 
 
 IMPL_ORDER = ("upstream", "ours_eager", "ours_fused", "lora")
-IMPL_LABEL = {"upstream": "upstream PEFT DoRA", "ours_eager": "ours (eager)", "ours_fused": "ours (fused)",
-              "lora": "plain LoRA"}
-PANELS = (("train", "training step"), ("train_accum4", "training, 4-step accumulation"),
-          ("infer", "inference forward"), ("decode_per_token", "decode, per token"),
-          ("decode_per_token_cached", "decode, per token, DoraCaching"))
+IMPL_LABEL = {
+    "upstream": "upstream PEFT DoRA",
+    "ours_eager": "ours (eager)",
+    "ours_fused": "ours (fused)",
+    "lora": "plain LoRA",
+}
+PANELS = (
+    ("train", "training step"),
+    ("train_accum4", "training, 4-step accumulation"),
+    ("infer", "inference forward"),
+    ("decode_per_token", "decode, per token"),
+    ("decode_per_token_cached", "decode, per token, DoraCaching"),
+)
 
 
 def _title(doc: dict, what: str) -> str:

@@ -106,3 +106,58 @@ def test_headline_drops_keys_the_run_did_not_measure(tmp_path):
     head = __import__("json").loads(path.read_text())
     assert head["dora_over_lora_train_bf16"] == 1.1 and head["by_hand"] == 3.4
     assert "dora_over_lora_decode_norm_cache" not in head  # this run had no NORM_CACHE row: no stale value stays
+
+
+def _paired(median, lora, ratios, rnd, mode="bf16"):
+    rec = _rec("ours_fused", median, rnd, measure="decode_per_token_paired")
+    rec.update(mode=mode, lora_median_ms=lora, lora_samples_ms=[lora], pair_ratios=ratios)
+    rec["ratio_median"] = sorted(ratios)[len(ratios) // 2]
+    return rec
+
+
+def test_paired_decode_pools_every_pair_of_every_round():
+    # round 0 ran in a slow host phase (both models slow): its pairs still count as ratios, not as absolute times
+    recs = [_paired(20.0, 19.0, [1.05, 1.1, 0.95], 0), _paired(10.0, 10.0, [1.0, 0.9, 1.02], 1)]
+    (r,) = bench_model.collapse_rounds(recs)
+    assert r["pair_ratios"] == [1.05, 1.1, 0.95, 1.0, 0.9, 1.02]
+    assert r["ratio_median"] == pytest.approx(1.01)  # median of the six pairs
+    assert [x["ratio_median"] for x in r["rounds"]] == [1.05, 1.0]
+    assert r["lora_median_ms"] == pytest.approx(14.5) and "lora_samples_ms" not in r
+    head = bench_model.headline_values(_doc(recs))
+    assert head["dora_over_lora_decode_paired_bf16"] == pytest.approx(1.01)
+    assert head["dora_over_lora_decode_paired"] is None  # no autocast row
+
+
+def test_paired_decode_plans_its_cost_only_for_the_paired_impls():
+    args = ["--tasks", "speed", "--modes", "bf16", "--impls", "ours_fused,ours_eager", "--ranks", "384"]
+    plain = bench_model.resolve_config(bench_model.parse_args(args + ["--measures", "decode"]))
+    paired = bench_model.resolve_config(bench_model.parse_args(args + ["--measures", "decode,decode_paired"]))
+    assert paired["decode_paired"] == {"pairs": 8, "impls": ["ours_fused"]}
+    cost = {
+        (impl, which): bench_model.estimate_s(cfg, {"impl": impl, "tasks": ["speed"]})
+        for impl in ("ours_fused", "ours_eager")
+        for which, cfg in (("plain", plain), ("paired", paired))
+    }
+    assert cost["ours_fused", "paired"] > cost["ours_fused", "plain"]
+    assert cost["ours_eager", "paired"] == cost["ours_eager", "plain"]
+    with pytest.raises(SystemExit, match="lora"):  # plain LoRA has no DoRA to pair
+        bench_model.resolve_config(bench_model.parse_args(args + ["--paired-impls", "lora"]))
+
+
+def test_merge_keeps_a_paired_decode_run_beside_the_main_run():
+    def doc(records):
+        return {
+            "kind": "gpu", "env": {"gpu": "G"}, "runs": [], "impls": {}, "speed": records, "fidelity": {},
+            "convergence": {"losses": {}}, "profile": {}, "errors": [], "skipped": [],
+            "config": {"ranks": [8], "impls": [], "modes": ["bf16"], "measures": ["train"], "tasks": ["speed"]},
+        }  # fmt: skip
+
+    main = doc([_rec("lora", 10.0, 0), _rec("ours_fused", 11.0, 0)])
+    paired = doc([_paired(12.0, 12.0, [1.0, 1.02], 0)])
+    newer_paired = doc([_paired(12.0, 12.0, [0.99, 0.97], 0)])
+    for docs in ([main, paired], [paired, main]):  # either order: the paired row lives beside the main rows
+        merged = bench_model.merge_docs(docs)
+        assert len(merged["speed"]) == 3
+    merged = bench_model.merge_docs([main, paired, newer_paired])  # a newer paired run replaces the older one only
+    assert [r["pair_ratios"] for r in merged["speed"] if "pair_ratios" in r] == [[0.99, 0.97]]
+    assert len(merged["speed"]) == 3
