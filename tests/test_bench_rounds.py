@@ -82,16 +82,18 @@ def test_ratio_falls_back_to_medians_when_rounds_do_not_pair():
     assert bench_model.time_ratio(doc, "upstream", "lora", "bf16", "train", 8) is None
 
 
-def test_merge_replaces_a_mode_and_rank_as_a_whole():
-    def doc(records):
-        return {
-            "kind": "gpu", "env": {"gpu": "G"}, "runs": [], "impls": {}, "speed": records, "fidelity": {},
-            "convergence": {"losses": {}}, "profile": {}, "errors": [], "skipped": [],
-            "config": {"ranks": [8], "impls": [], "modes": ["bf16"], "measures": ["train"], "tasks": ["speed"]},
-        }  # fmt: skip
+def _run_doc(records):
+    """A whole run document, as ``--merge`` reads it."""
+    return {
+        "kind": "gpu", "env": {"gpu": "G"}, "runs": [], "impls": {}, "speed": records, "fidelity": {},
+        "convergence": {"losses": {}}, "profile": {}, "errors": [], "skipped": [],
+        "config": {"ranks": [8], "impls": [], "modes": ["bf16"], "measures": ["train"], "tasks": ["speed"]},
+    }  # fmt: skip
 
-    old = doc([_rec("lora", 10.0, 0), _rec("ours_fused_reuse", 9.0, 0), dict(_rec("lora", 5.0, 0), rank=64)])
-    new = doc([_rec("lora", 12.0, 0), _rec("ours_fused", 13.0, 0)])
+
+def test_merge_replaces_a_mode_and_rank_as_a_whole():
+    old = _run_doc([_rec("lora", 10.0, 0), _rec("ours_fused_reuse", 9.0, 0), dict(_rec("lora", 5.0, 0), rank=64)])
+    new = _run_doc([_rec("lora", 12.0, 0), _rec("ours_fused", 13.0, 0)])
     merged = bench_model.merge_docs([old, new])
     rows = {(r["impl"], r["rank"]): r["median_ms"] for r in merged["speed"]}
     # the older run's reuse row at (bf16, 8) goes: the newer run measured that mode and rank without it
@@ -145,16 +147,9 @@ def test_paired_decode_plans_its_cost_only_for_the_paired_impls():
 
 
 def test_merge_keeps_a_paired_decode_run_beside_the_main_run():
-    def doc(records):
-        return {
-            "kind": "gpu", "env": {"gpu": "G"}, "runs": [], "impls": {}, "speed": records, "fidelity": {},
-            "convergence": {"losses": {}}, "profile": {}, "errors": [], "skipped": [],
-            "config": {"ranks": [8], "impls": [], "modes": ["bf16"], "measures": ["train"], "tasks": ["speed"]},
-        }  # fmt: skip
-
-    main = doc([_rec("lora", 10.0, 0), _rec("ours_fused", 11.0, 0)])
-    paired = doc([_paired(12.0, 12.0, [1.0, 1.02], 0)])
-    newer_paired = doc([_paired(12.0, 12.0, [0.99, 0.97], 0)])
+    main = _run_doc([_rec("lora", 10.0, 0), _rec("ours_fused", 11.0, 0)])
+    paired = _run_doc([_paired(12.0, 12.0, [1.0, 1.02], 0)])
+    newer_paired = _run_doc([_paired(12.0, 12.0, [0.99, 0.97], 0)])
     for docs in ([main, paired], [paired, main]):  # either order: the paired row lives beside the main rows
         merged = bench_model.merge_docs(docs)
         assert len(merged["speed"]) == 3
