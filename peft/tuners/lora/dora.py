@@ -948,6 +948,27 @@ def _merge_factor(module, active_adapter: str, weight_norm: torch.Tensor, view_s
     return _magnitude_scale(magnitude, weight_norm.reshape(-1), weight_dtype).reshape(view_shape)
 
 
+def _on_device_of_result(forward):
+    """Run a variant's ``forward(module, adapter, x, result)`` with ``result``'s CUDA device current.
+
+    A model split over GPUs (``device_map="auto"``, pipeline stages) runs layers on cuda:1 while cuda:0 is current.
+    PyTorch's own ops follow their tensors' device; Triton launches, the decode plan's raw stream and CUDA-graph
+    capture and replay act on the current device, so the forward switches to the tensors' device where it differs
+    (one device query otherwise). Backward passes run on autograd's per-device threads, where it already is current.
+    """
+
+    @wraps(forward)
+    def run(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
+        if result.is_cuda:
+            index = result.get_device()
+            if index != torch.cuda.current_device():
+                with torch.cuda.device(index):
+                    return forward(module, active_adapter, x, result, **kwargs)
+        return forward(module, active_adapter, x, result, **kwargs)
+
+    return run
+
+
 class _DoraVariantBase(LoraVariant):
     """merge/unmerge shared by all DoRA variants; subclasses say where the factors live and how to shape the factor.
 
@@ -1023,6 +1044,7 @@ class DoraLinearVariant(_DoraVariantBase):
         return (1, -1) if module.fan_in_fan_out else (-1, 1)
 
     @staticmethod
+    @_on_device_of_result
     def forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
         # submodules straight from the module dicts: nn.Module.__getattr__ and ModuleDict.__getitem__ cost host time
         # in every forward (a decode step runs this once per adapted Linear)
@@ -1078,6 +1100,7 @@ class DoraEmbeddingVariant(_DoraVariantBase):
         return (1, -1)
 
     @staticmethod
+    @_on_device_of_result
     def forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
         dora_layer = module.lora_magnitude_vector[active_adapter]
         g, lora = dora_layer(
