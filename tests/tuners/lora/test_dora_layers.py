@@ -292,3 +292,44 @@ def test_small_forward_matches_the_fused_composition_and_follows_a_new_magnitude
             dora._invalidate_fused_cache()
             assert_close(model(x), expected, torch.float32)
             assert dora.tier_counts[dora.TIER_SMALL_FORWARD] == 2
+
+
+def test_forward_makes_its_tensors_device_current(monkeypatch):
+    """A layer on cuda:1 while cuda:0 is current (a model split over GPUs): the variant's forward runs inside
+    ``torch.cuda.device(1)`` and leaves cuda:0 current; on the current device or the CPU it enters no device context.
+    (The GPU side, two real devices, is ``test_dora_multi_gpu.py``.)"""
+    import contextlib
+
+    current, entered, seen = [0], [], []
+
+    @contextlib.contextmanager
+    def device(index):
+        entered.append(index)
+        previous, current[0] = current[0], index
+        try:
+            yield
+        finally:
+            current[0] = previous
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", device)
+
+    class OnCuda:  # what the guard reads of a CUDA tensor
+        is_cuda = True
+
+        def __init__(self, index):
+            self.index = index
+
+        def get_device(self):
+            return self.index
+
+    def inner(module, adapter, x, result, **kwargs):
+        seen.append(current[0])
+        return adapter
+
+    forward = dora._on_device_of_result(inner)
+    assert forward(None, "a", None, OnCuda(1)) == "a" and seen == [1] and entered == [1] and current == [0]
+    assert forward(None, "b", None, OnCuda(0)) == "b" and seen == [1, 0] and entered == [1]
+    assert forward(None, "c", None, torch.zeros(1)) == "c" and seen == [1, 0, 0] and entered == [1]
+    for variant in (dora.DoraLinearVariant, dora.DoraEmbeddingVariant, dora.DoraConv2dVariant):
+        assert variant.forward.__wrapped__ is not None, variant
