@@ -116,12 +116,76 @@ def plot_convergence(doc: dict, path: Path) -> Path | None:
     return path
 
 
+RATIO_PANELS = (  # measure, label, the issue's target for DoRA/LoRA
+    ("train", "training step", 1.10),
+    ("infer", "inference", 1.05),
+    ("decode_per_token", "decode / token", 1.10),
+    ("decode_per_token_paired", "decode, paired", 1.10),
+)
+
+
+def _round_ratios(doc: dict, mode: str, measure: str, rank: int) -> list:
+    """Ours fused over LoRA: every pair of a paired measure, else one ratio per round both ran in."""
+    recs = {r["impl"]: r for r in doc["speed"] if (r["mode"], r["measure"], r["rank"]) == (mode, measure, rank)}
+    ours, lora = recs.get("ours_fused"), recs.get("lora")
+    if ours and "pair_ratios" in ours:
+        return list(ours["pair_ratios"])
+    if not ours or not lora:
+        return []
+    a = {x["round"]: x["median_ms"] for x in ours.get("rounds", [])}
+    b = {x["round"]: x["median_ms"] for x in lora.get("rounds", [])}
+    return [a[k] / b[k] for k in sorted(set(a) & set(b))] or [ours["median_ms"] / lora["median_ms"]]
+
+
+def plot_ratios(doc: dict, path: Path) -> Path | None:
+    """DoRA (ours fused) over plain LoRA at the headline rank: each round's ratio (each pair's, for the paired
+    decode measure) as a dot, the median as a black line, the target as a red dashed line."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rank = doc["config"]["headline_rank"]
+    modes = [m for m in ("autocast", "bf16") if any(r["mode"] == m for r in doc["speed"])]
+    panels = [(p, [_round_ratios(doc, m, p[0], rank) for m in modes]) for p in RATIO_PANELS]
+    panels = [(p, per_mode) for p, per_mode in panels if any(per_mode)]
+    if not panels:
+        return None
+    fig, ax = plt.subplots(figsize=(1.1 * len(panels) * (len(modes) + 1) + 1.5, 4.5))
+    ticks, labels = [], []
+    for i, ((measure, label, target), per_mode) in enumerate(panels):
+        for j, (mode, ratios) in enumerate(zip(modes, per_mode)):
+            x = i * (len(modes) + 1) + j
+            if ratios:
+                color = "C0" if mode == "autocast" else "C1"
+                ax.plot([x] * len(ratios), ratios, ".", color=color, ms=6, alpha=0.7)
+                ax.hlines(statistics.median(ratios), x - 0.3, x + 0.3, colors="k", lw=2)
+                ax.hlines(target, x - 0.4, x + 0.4, colors="r", linestyles="dashed", lw=1)
+            ticks.append(x)
+            labels.append(f"{label}\n{mode}, n={len(ratios)}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(ticks, labels, fontsize=7)
+    ax.set_ylabel("DoRA / LoRA time")
+    ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(
+        _title(doc, f"ours fused / plain LoRA, r={rank} (dots: rounds or pairs; black: median; red: target)"),
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_all(doc: dict, out_dir: Path, stem: str) -> list:
     out_dir.mkdir(parents=True, exist_ok=True)
     made = [
         plot_speed(doc, out_dir / f"{stem}_time.png", "median_ms", "ms (median, min–max)", "time"),
         plot_speed(doc, out_dir / f"{stem}_memory.png", "peak_delta_mb", "peak − static, MB", "peak memory"),
         plot_convergence(doc, out_dir / f"{stem}_convergence.png"),
+        plot_ratios(doc, out_dir / f"{stem}_dora_over_lora.png"),
     ]
     return [p for p in made if p is not None]
 
