@@ -44,7 +44,7 @@ from .dora_cache import invalidate_norm_caches as invalidate_norm_caches  # publ
 from .dora_cache import norm_counts as norm_counts  # public here, as documented
 from .dora_graph import NormGraph
 from .dora_graph import graph_counts as graph_counts  # public here, as documented
-from .dora_launch import _INTERPRET
+from .dora_launch import _INTERPRET, device_switch
 from .layer import LoraVariant
 
 
@@ -959,12 +959,11 @@ def _on_device_of_result(forward):
 
     @wraps(forward)
     def run(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
-        if result.is_cuda:
-            index = result.get_device()
-            if index != torch.cuda.current_device():
-                with torch.cuda.device(index):
-                    return forward(module, active_adapter, x, result, **kwargs)
-        return forward(module, active_adapter, x, result, **kwargs)
+        switch = device_switch(result)
+        if switch is None:
+            return forward(module, active_adapter, x, result, **kwargs)
+        with switch:
+            return forward(module, active_adapter, x, result, **kwargs)
 
     return run
 

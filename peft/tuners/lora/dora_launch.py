@@ -67,6 +67,17 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def device_switch(t: torch.Tensor):
+    """``torch.cuda.device`` of ``t`` where ``t`` is a CUDA tensor off the current device, else None: Triton launches
+    on the current device and its current stream (a model split over GPUs runs layers on cuda:1 while cuda:0 is
+    current). None rather than a null context, so a hot path enters nothing where no switch is needed."""
+    if t.is_cuda:
+        index = t.get_device()
+        if index != torch.cuda.current_device():
+            return torch.cuda.device(index)
+    return None
+
+
 def _idle(hook) -> bool:
     """Whether a launch hook does nothing: unset, or a ``HookChain`` with no hook in it (Triton 3.5+ always has
     one). Anything else counts as a hook to honour, through Triton's own launch."""

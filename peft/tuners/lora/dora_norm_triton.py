@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from .dora_launch import _HAS_TRITON, _INTERPRET
+from .dora_launch import _HAS_TRITON, _INTERPRET, device_switch
 from .dora_launch import cdiv as _cdiv
 from .dora_launch import next_pow2 as _next_pow2
 
@@ -319,12 +319,6 @@ def _dot_mode(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) 
     return False, True, "ieee"
 
 
-def _device_guard(t: torch.Tensor):
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
 def _row_norm_triton(weight, lora_A, lora_B, scale, config: _Config):
     d_out, d_in = weight.shape
     rank = lora_A.shape[0]
@@ -334,7 +328,7 @@ def _row_norm_triton(weight, lora_A, lora_B, scale, config: _Config):
     # One split: the first kernel takes the root and writes the output directly (one launch instead of two).
     partial = out if n_splits == 1 else torch.empty((n_splits, d_out), dtype=torch.float32, device=weight.device)
     native, split, precision = _dot_mode(weight, lora_A, lora_B)
-    with _device_guard(weight):
+    with device_switch(weight) or contextlib.nullcontext():
         _row_norm_partial_kernel[(row_blocks * n_splits,)](
             weight, lora_A, lora_B, partial,
             d_out, d_in, rank, row_blocks, config.cols_per_split, float(scale),
@@ -445,7 +439,7 @@ def split_row_norm(
     r = lora_A.shape[0]
     dtype = weight.dtype
     u = gram2 = None
-    with _device_guard(weight):
+    with device_switch(weight) or contextlib.nullcontext():
         for c in range(0, d_in, cols):
             w_c, a_c = (weight, lora_A) if cols >= d_in else (weight[:, c : c + cols], lora_A[:, c : c + cols])
             h = _split_t(a_c, dtype)
