@@ -584,17 +584,27 @@ def speed_value(doc: dict, impl: str, mode: str, measure: str, rank: int, key: s
     return None if r is None else r.get(key)
 
 
-def time_ratio(doc: dict, num: str, den: str, mode: str, measure: str, rank: int):
-    """``num``'s time over ``den``'s: the median of the per-round ratios where both ran in the same rounds (each pair
-    measured close together in time), else the ratio of the medians."""
+def round_ratios(doc: dict, num: str, den: str, mode: str, measure: str, rank: int) -> list:
+    """``num``'s time over ``den``'s in each round both ran in (each pair measured close together in time), or []
+    where they share fewer than two rounds."""
     a, b = _record(doc, num, mode, measure, rank), _record(doc, den, mode, measure, rank)
-    if a is None or b is None or not a.get("median_ms") or not b.get("median_ms"):
-        return None
+    if a is None or b is None:
+        return []
     ra = {x["round"]: x["median_ms"] for x in a.get("rounds", [])}
     rb = {x["round"]: x["median_ms"] for x in b.get("rounds", [])}
     common = sorted(set(ra) & set(rb))
-    if len(common) > 1:
-        return round(statistics.median(ra[k] / rb[k] for k in common), 4)
+    return [ra[k] / rb[k] for k in common] if len(common) > 1 else []
+
+
+def time_ratio(doc: dict, num: str, den: str, mode: str, measure: str, rank: int):
+    """``num``'s time over ``den``'s: the median of the per-round ratios (:func:`round_ratios`) where both ran in the
+    same rounds, else the ratio of the medians."""
+    a, b = _record(doc, num, mode, measure, rank), _record(doc, den, mode, measure, rank)
+    if a is None or b is None or not a.get("median_ms") or not b.get("median_ms"):
+        return None
+    ratios = round_ratios(doc, num, den, mode, measure, rank)
+    if ratios:
+        return round(statistics.median(ratios), 4)
     return round(a["median_ms"] / b["median_ms"], 4)
 
 

@@ -313,6 +313,13 @@ def speed_rank(model, cfg, mode, device, measures, warmup, repeats) -> dict:
     return results
 
 
+def generate_exactly(model, prompt: torch.Tensor, new: int) -> None:
+    """Greedy KV-cached generation of ``new`` tokens after ``prompt``; fails if it stopped early."""
+    out = model.generate(input_ids=prompt, max_new_tokens=new, do_sample=False, use_cache=True)
+    if out.shape[1] != prompt.shape[1] + new:
+        raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} new tokens, not {new}")
+
+
 def decode_paired(model, cfg, rank, mode, device, pairs: int) -> dict:
     """Per-token decode of this DoRA model and of a plain-LoRA twin built in the same process (same base weights and
     seeded A, B; this package's LoRA path, which the overlay leaves as upstream's), alternated ``pairs`` times in
@@ -332,9 +339,7 @@ def decode_paired(model, cfg, rank, mode, device, pairs: int) -> dict:
             with timer.region(pre):
                 m(input_ids=prompt, use_cache=True)
             with timer.region(gen):
-                out = m.generate(input_ids=prompt, max_new_tokens=new, do_sample=False, use_cache=True)
-        if out.shape[1] != prompt.shape[1] + new:
-            raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} new tokens, not {new}")
+                generate_exactly(m, prompt, new)
         return (gen[0] - pre[0]) / new
 
     for m in models.values():  # warm-up: compile, plans, caches
@@ -379,9 +384,7 @@ def decode(model, ids, cfg, ctx, device, warmup, repeats, suffix: str) -> dict:
     @torch.no_grad()
     def generate():
         with ctx(), caching():
-            out = model.generate(input_ids=prompt, max_new_tokens=new, do_sample=False, use_cache=True)
-        if out.shape[1] != prompt.shape[1] + new:
-            raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} new tokens, not {new}")
+            generate_exactly(model, prompt, new)
 
     pre = measure(prefill, device, warmup, repeats)
     gen = measure(generate, device, 1, repeats)

@@ -125,16 +125,15 @@ RATIO_PANELS = (  # measure, label, the issue's target for DoRA/LoRA
 
 
 def _round_ratios(doc: dict, mode: str, measure: str, rank: int) -> list:
-    """Ours fused over LoRA: every pair of a paired measure, else one ratio per round both ran in."""
-    recs = {r["impl"]: r for r in doc["speed"] if (r["mode"], r["measure"], r["rank"]) == (mode, measure, rank)}
-    ours, lora = recs.get("ours_fused"), recs.get("lora")
-    if ours and "pair_ratios" in ours:
-        return list(ours["pair_ratios"])
-    if not ours or not lora:
-        return []
-    a = {x["round"]: x["median_ms"] for x in ours.get("rounds", [])}
-    b = {x["round"]: x["median_ms"] for x in lora.get("rounds", [])}
-    return [a[k] / b[k] for k in sorted(set(a) & set(b))] or [ours["median_ms"] / lora["median_ms"]]
+    """Ours fused over LoRA as the headline takes them: every pair of a paired measure, else one ratio per round both
+    ran in, else the one ratio of their medians."""
+    import bench_model  # beside this file; it imports this module only inside a function
+
+    paired = bench_model.speed_value(doc, "ours_fused", mode, measure, rank, "pair_ratios")
+    if paired:
+        return list(paired)
+    ratio = bench_model.time_ratio(doc, "ours_fused", "lora", mode, measure, rank)
+    return bench_model.round_ratios(doc, "ours_fused", "lora", mode, measure, rank) or ([ratio] if ratio else [])
 
 
 def plot_ratios(doc: dict, path: Path) -> Path | None:
