@@ -439,7 +439,12 @@ def _select_tier(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> str
 
 def _record_tier(layer: nn.Module, tier: str) -> None:
     """Count ``tier`` in ``tier_counts`` and keep it as ``layer.last_tier`` (a plain attribute: set without
-    ``nn.Module.__setattr__``'s parameter/buffer/module bookkeeping, which costs microseconds per decode step)."""
+    ``nn.Module.__setattr__``'s parameter/buffer/module bookkeeping, which costs microseconds per decode step).
+
+    Not while torch.compile traces: Dynamo guards on the values a traced function reads, so a counter incremented in
+    compiled code invalidates the graph on every call (a recompile per call, then the recompile limit)."""
+    if torch.compiler.is_compiling():
+        return
     tier_counts[tier] += 1
     object.__setattr__(layer, "last_tier", tier)
 
@@ -594,7 +599,8 @@ class DoraLinearLayer(nn.Module):
         return self._dora_cache.get(key, default)
 
     def _cache_clear(self) -> None:
-        self._dora_cache.clear()
+        if self._dora_cache:  # clearing an empty dict is still a mutation to Dynamo (a graph break under checkpoint)
+            self._dora_cache.clear()
 
     def train(self, mode: bool = True):
         if mode:

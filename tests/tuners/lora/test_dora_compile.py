@@ -1,0 +1,182 @@
+"""torch.compile of DoRA models: one graph per input shape and mode, never a recompile per call, and the compiled
+model computes what the eager one does (outputs and gradients).
+
+Dynamo guards on every value a traced function reads; per-call module state (tier counters, ``last_tier``, norm
+memos, decode plans) read inside the traced forward invalidates the graph on the next call. The counting backend
+below compiles with ``aot_eager`` (the autograd graph without Inductor's code generation) and counts the frames
+Dynamo compiles, so a recompile shows as a second frame."""
+
+import copy
+
+import pytest
+import torch
+from dora_testing import assert_close
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import dora
+
+
+CALLS = 10
+
+
+class TwoLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(32, 48)
+        self.l2 = nn.Linear(48, 24, bias=False)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+
+def _dora_model(model: nn.Module, targets, dora_on: bool = True, dropout: float = 0.0, seed: int = 0):
+    torch.manual_seed(seed)
+    config = LoraConfig(r=8, lora_alpha=16, use_dora=dora_on, target_modules=targets, lora_dropout=dropout)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # B = 0 at init would leave the norm's cross and Gram terms untested
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return peft_model
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _grads(model: nn.Module) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dropout", (0.0, 0.05))
+def test_compiled_model_compiles_once_per_mode(fresh_dynamo, dropout):
+    """10 training calls (forward + backward), then 10 eval calls under no_grad: one frame for each mode, outputs and
+    gradients equal to eager (dropout draws the same mask from the same seed in both)."""
+    model = _dora_model(TwoLinear(), ["l1", "l2"], dropout=dropout)
+    eager = copy.deepcopy(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    x = torch.randn(4, 7, 32)
+    for step in range(CALLS):
+        tiers = dict(dora.tier_counts)
+        torch.manual_seed(step)
+        out = compiled(x)
+        out.square().sum().backward()
+        assert dict(dora.tier_counts) == tiers  # compiled forwards leave the counters alone (they are guarded on)
+        torch.manual_seed(step)
+        ref = eager(x)
+        ref.square().sum().backward()
+        assert_close(out, ref)
+    assert counter.frame_count == 1
+    expected = _grads(eager)
+    got = _grads(model)
+    assert expected.keys() == got.keys() and any("lora_magnitude_vector" in n for n in got)
+    for name in expected:
+        assert_close(got[name], expected[name], scale=CALLS)
+
+    model.eval()
+    eager.eval()
+    with torch.no_grad():
+        for _ in range(CALLS):
+            assert_close(compiled(x), eager(x))
+    assert counter.frame_count == 2
+
+
+def test_compiled_model_follows_parameter_updates(fresh_dynamo):
+    """Optimizer steps change A, B and m in place between calls: the compiled graph reads their current values (no
+    norm is baked in as a constant) and still does not recompile."""
+    model = _dora_model(TwoLinear(), ["l1", "l2"])
+    eager = copy.deepcopy(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (model, eager)]
+    x = torch.randn(3, 32)
+    for _ in range(CALLS):
+        losses = [compiled(x).square().mean(), eager(x).square().mean()]
+        assert_close(losses[0], losses[1], scale=CALLS)
+        for loss, opt in zip(losses, opts):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert counter.frame_count == 1
+    model.eval()
+    eager.eval()
+    with torch.no_grad():
+        assert_close(compiled(x), eager(x), scale=CALLS)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _train_frames(dora_on: bool):
+    """Frames compiled over 10 checkpointed training steps of a tiny Llama, the losses and the gradients, compiled
+    and eager."""
+    runs = {}
+    for compiled_run in (True, False):
+        model = _dora_model(_tiny_llama(), LLAMA_TARGETS, dora_on=dora_on)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        forward = torch.compile(model, backend=counter) if compiled_run else model
+        ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(CALLS):
+            loss = forward(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            losses.append(loss.detach())
+        runs[compiled_run] = (counter.frame_count, torch.stack(losses), _grads(model))
+    return runs
+
+
+def test_compiled_llama_with_checkpointing_compiles_as_lora_does(fresh_dynamo):
+    """A checkpointed decoder: DoRA compiles exactly as many frames as LoRA on the same model (whatever transformers'
+    own code costs), none after the first call, and its losses and gradients equal eager's."""
+    dora_runs = _train_frames(True)
+    lora_frames = _train_frames(False)[True][0]
+    frames, losses, grads = dora_runs[True]
+    _, eager_losses, eager_grads = dora_runs[False]
+    assert frames == lora_frames
+    assert_close(losses, eager_losses)
+    assert grads.keys() == eager_grads.keys() and any("lora_magnitude_vector" in n for n in grads)
+    for name in grads:
+        assert_close(grads[name], eager_grads[name], scale=CALLS)
+
+
+def _generate(dora_on: bool):
+    model = _dora_model(_tiny_llama(), LLAMA_TARGETS, dora_on=dora_on).eval()
+    prompt = torch.randint(1, 64, (1, 5), generator=torch.Generator().manual_seed(2))
+    eager = model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    decoder = model.get_base_model()  # what generate() calls for every step
+    decoder.forward = torch.compile(decoder.forward, backend=counter)
+    outputs = [model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False) for _ in range(3)]
+    return counter.frame_count, eager, outputs
+
+
+def test_compiled_generate_compiles_as_lora_does(fresh_dynamo):
+    """Greedy generation through a compiled forward: the prompt and the growing KV cache are new shapes (Dynamo
+    marks them dynamic), so LoRA compiles a few frames too; DoRA compiles the same number and repeated generations
+    add none. Tokens equal eager generation's."""
+    frames, eager, outputs = _generate(True)
+    lora_frames = _generate(False)[0]
+    assert frames == lora_frames
+    for out in outputs:
+        assert torch.equal(out, eager)
