@@ -64,6 +64,8 @@ MEASURES = ("train", "train_accum4", "step_accum4", "infer", "decode")
 # opt-in: decode under peft.helpers.DoraCaching; decode of a DoRA impl paired with a LoRA twin in its own process
 EXTRA_MEASURES = ("decode_cached", "decode_paired")
 TASKS = ("speed", "fidelity", "convergence", "profile")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+COMPILED_MEASURES = ("train", "infer")
 
 PRESETS = {
     "llama": {
@@ -119,7 +121,8 @@ def parse_args(argv=None):
     a("--ranks", help="comma list (default 64,384,768; tiny 4,8)")
     a("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma list of {', '.join(IMPLS)}")
     a("--modes", default=",".join(MODES), help="comma list of autocast, bf16")
-    a("--measures", default=",".join(MEASURES), help=f"comma list of {', '.join(MEASURES + EXTRA_MEASURES)}")
+    a("--measures", help=f"comma list of {', '.join(MEASURES + EXTRA_MEASURES)} (default: all but the opt-in "
+      f"{', '.join(EXTRA_MEASURES)}; with --compile {', '.join(COMPILED_MEASURES)})")
     a("--tasks", default="speed,fidelity,convergence", help=f"comma list of {', '.join(TASKS)}")
     a("--profile", action="store_true", help="add the profile task (ours fused vs plain LoRA, one training step)")
     a("--profile-impls", default="ours_fused,lora")
@@ -133,6 +136,12 @@ def parse_args(argv=None):
     )
     a("--round-impls", help="impls repeated in every round (default: all); the others run in the first round only")
     a("--warmup", type=int, default=2)
+    a(
+        "--compile",
+        choices=COMPILE_MODES,
+        help="time every impl through torch.compile(model, mode=...): train and infer only; the run's JSON then "
+        "holds compiled records only and feeds the compiled_* headline keys",
+    )
     a("--decode-pairs", type=int, default=8, help="DoRA/LoRA generations per decode_paired measure (ABBA order)")
     a("--paired-impls", default="ours_fused", help="DoRA impls that run decode_paired (with its measure)")
     a("--prompt-tokens", type=int, help="generation prompt (default 128; tiny 16)")
@@ -210,6 +219,13 @@ def resolve_config(args) -> dict:
     ranks = _ints(args.ranks) if args.ranks else ([4, 8] if tiny else [64, 384, 768])
     headline_rank = pick(args.headline_rank, 384, 8)
     tasks = _names(args.tasks, TASKS) + (["profile"] if args.profile and "profile" not in args.tasks else [])
+    measures = _names(args.measures or ",".join(COMPILED_MEASURES if args.compile else MEASURES),
+                      MEASURES + EXTRA_MEASURES)  # fmt: skip
+    if args.compile and (set(tasks) != {"speed"} or set(measures) - set(COMPILED_MEASURES)):
+        raise SystemExit(
+            f"--compile times {', '.join(COMPILED_MEASURES)} in the speed task only (got tasks {tasks}, measures "
+            f"{measures}): pass --tasks speed and leave --measures unset or pick from those"
+        )
     conv_dims = (
         dict(preset, **TINY)
         if tiny
@@ -236,12 +252,13 @@ def resolve_config(args) -> dict:
         "ranks": ranks,
         "impls": _names(args.impls, IMPLS),
         "modes": _names(args.modes, MODES),
-        "measures": _names(args.measures, MEASURES + EXTRA_MEASURES),
+        "measures": measures,
         "tasks": tasks,
         "repeats": pick(args.repeats, 5, 2),
         "rounds": max(1, args.rounds),
         "round_impls": _names(args.round_impls, IMPLS) if args.round_impls else None,
         "warmup": args.warmup,
+        "compile": args.compile,
         "decode_paired": {
             "pairs": max(1, args.decode_pairs),
             "impls": _names(args.paired_impls, [n for n in IMPLS if IMPLS[n]["dora"]]),
@@ -425,6 +442,7 @@ def run_job(job: dict, cfg: dict, targets: dict, workdir: Path, timeout: float |
         "measures": cfg["measures"],
         "repeats": cfg["repeats"],
         "warmup": cfg["warmup"],
+        "compile": cfg.get("compile"),
         "decode_paired": cfg["decode_paired"],
         "fidelity": cfg["fidelity"],
         "convergence": cfg["convergence"],
@@ -539,7 +557,7 @@ def convergence_metrics(losses: dict) -> dict:
     return out
 
 
-ROUND_KEYS = ("median_ms", "min_ms", "max_ms", "peak_delta_mb")
+ROUND_KEYS = ("median_ms", "min_ms", "max_ms", "peak_delta_mb", "tiers")
 
 
 def collapse_rounds(records: list) -> list:
@@ -608,8 +626,40 @@ def time_ratio(doc: dict, num: str, den: str, mode: str, measure: str, rank: int
     return round(a["median_ms"] / b["median_ms"], 4)
 
 
+def compiled_headline_values(doc: dict) -> dict:
+    """The compiled_* headline keys of a ``--compile`` run, worst cases over its modes and ranks (ours = fused):
+    DoRA/LoRA train and infer (largest), train speed-up over upstream (smallest), and the graphs compiled while ours
+    was timed, after warm-up, summed over every record and round (must be 0)."""
+    cfg = doc["config"]
+    points = [(mode, rank) for mode in cfg["modes"] for rank in cfg["ranks"]]
+
+    def worst(pick, num, den, measure):
+        values = [time_ratio(doc, num, den, mode, measure, rank) for mode, rank in points]
+        values = [x for x in values if x is not None]
+        return pick(values) if len(values) == len(points) else None  # a point that did not run: no worst case
+
+    recompiles = None
+    ours = [r for r in doc.get("speed", []) if r["impl"] == "ours_fused"]
+    if ours:
+        recompiles = sum(
+            (x.get("tiers") or {}).get("compiled_graphs", 0) for r in ours for x in r.get("rounds") or [r]
+        )
+    return {
+        "compiled_dora_over_lora_train": worst(max, "ours_fused", "lora", "train"),
+        "compiled_dora_over_lora_infer": worst(max, "ours_fused", "lora", "infer"),
+        "compiled_train_speedup_vs_upstream": worst(min, "upstream", "ours_fused", "train"),
+        "compiled_infer_speedup_vs_upstream": worst(min, "upstream", "ours_fused", "infer"),
+        "compiled_recompiles_after_warmup": recompiles,
+        "compiled_mode": cfg["compile"],
+        "compiled_points": len(points),
+    }
+
+
 def headline_values(doc: dict) -> dict:
-    """The flat headline keys, computed from the JSON at its headline rank (ours = fused)."""
+    """The flat headline keys, computed from the JSON at its headline rank (ours = fused); for a ``--compile`` run
+    only the compiled_* keys (:func:`compiled_headline_values`), so neither kind of run drops the other's keys."""
+    if doc["config"].get("compile"):
+        return compiled_headline_values(doc)
     rank = doc["config"]["headline_rank"]
     v = lambda impl, mode, measure, key="median_ms": speed_value(doc, impl, mode, measure, rank, key)  # noqa: E731
     ratio = lambda num, den, mode, measure: time_ratio(doc, num, den, mode, measure, rank)  # noqa: E731

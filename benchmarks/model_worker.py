@@ -75,11 +75,14 @@ def _delta(before: dict, after: dict) -> dict:
 
 
 def tier_counts() -> dict:
-    """Our dispatch tiers and norm computations/reuses so far (empty for upstream, which has neither counter)."""
+    """Our dispatch tiers and norm computations/reuses so far (empty for upstream, which has neither counter), and
+    the graphs torch.compile has compiled (``compiled_graphs``; 0 without compile)."""
     from peft.tuners.lora import dora
+    from torch._dynamo.utils import counters
 
     counts = dict(getattr(dora, "tier_counts", {}))
     counts.update(getattr(dora, "norm_counts", {}))
+    counts["compiled_graphs"] = counters["stats"]["unique_graphs"]
     return counts
 
 
@@ -251,8 +254,24 @@ def measure(fn, device, warmup: int, repeats: int, before=None) -> dict:
     return out
 
 
-def speed_rank(model, cfg, mode, device, measures, warmup, repeats) -> dict:
-    """Every requested measure for one wrapped model."""
+def compiled_call(model, compile_mode):
+    """``model``'s forward, through ``torch.compile(model, mode=compile_mode)`` unless that is None. A new step is
+    marked before every call, so CUDA-graph trees (``reduce-overhead``) may reuse the previous step's memory."""
+    if compile_mode is None:
+        return model
+    compiled = torch.compile(model, mode=compile_mode)
+
+    def call(*args, **kwargs):
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def speed_rank(model, cfg, mode, device, measures, warmup, repeats, compile_mode=None) -> dict:
+    """Every requested measure for one wrapped model (compiled with ``compile_mode`` unless None: train and infer
+    only; ``tiers`` of each record then counts the graphs compiled while it was timed, which must be none)."""
+    forward = compiled_call(model, compile_mode)
     ids, labels = make_inputs(cfg, device)
     ctx = lambda: precision_ctx(mode, device)  # noqa: E731
     zero = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
@@ -260,13 +279,13 @@ def speed_rank(model, cfg, mode, device, measures, warmup, repeats) -> dict:
 
     def train_step():
         with ctx():
-            loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+            loss = forward(input_ids=ids, labels=labels, use_cache=False).loss
         loss.backward()
 
     def train_accum():
         for _ in range(ACCUM_STEPS):
             with ctx():
-                loss = model(input_ids=ids, labels=labels, use_cache=False).loss / ACCUM_STEPS
+                loss = forward(input_ids=ids, labels=labels, use_cache=False).loss / ACCUM_STEPS
             loss.backward()
 
     model.train()
@@ -303,7 +322,7 @@ def speed_rank(model, cfg, mode, device, measures, warmup, repeats) -> dict:
         @torch.no_grad()
         def infer():
             with ctx():
-                model(input_ids=ids, use_cache=False)
+                forward(input_ids=ids, use_cache=False)
 
         results["infer"] = measure(infer, device, warmup, repeats)
     for name, suffix in (("decode", ""), ("decode_cached", "_cached")):
@@ -407,9 +426,14 @@ def task_speed(spec, impl, cfg, device, records: list, flush) -> list:
             t0 = time.perf_counter()
             model = wrap(base, cfg, rank, impl, mode)
             seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
-            res = speed_rank(model, cfg, mode, device, spec["measures"], spec["warmup"], spec["repeats"])
+            compile_mode = spec.get("compile")
+            res = speed_rank(
+                model, cfg, mode, device, spec["measures"], spec["warmup"], spec["repeats"], compile_mode
+            )
             for measure_name, r in res.items():
                 records.append({"impl": impl["name"], "mode": mode, "rank": rank, "measure": measure_name, **r})
+                if compile_mode is not None:
+                    records[-1]["compile"] = compile_mode
             flush()
             line = ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in res.items())
             print(f"[{impl['name']}] {mode} r={rank}: {line} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -423,6 +447,7 @@ def task_speed(spec, impl, cfg, device, records: list, flush) -> list:
                     flush=True,
                 )
             base = model.unload()  # the base model without adapter layers, for the next rank
+            torch._dynamo.reset()  # the next rank's graphs start from nothing (and this rank's are freed)
             release(model)
         release(base)
     return records
