@@ -39,7 +39,7 @@ from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 from peft.utils.other import transpose
 
 from . import dora_decode, dora_fused, dora_norm_triton
-from .dora_cache import Memo, capturing, identity_tracked, memoised, reused, source, watch_merges
+from .dora_cache import Memo, capturing, identity_tracked, memoised, reused, source, storage_memo, watch_merges
 from .dora_cache import invalidate_norm_caches as invalidate_norm_caches  # public here, as documented
 from .dora_cache import norm_counts as norm_counts  # public here, as documented
 from .dora_graph import NormGraph
@@ -389,6 +389,61 @@ def _reuse_mode(layer: nn.Module, factors=()) -> Optional[str]:
     return "recompute"
 
 
+_REUSE_CODES = {None: 0, "recompute": 1, "any": 2}
+
+
+@torch.library.custom_op("peft::dora_weight_norm", mutates_args=())
+def _weight_norm_op(
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float, reuse: int, frozen: bool
+) -> torch.Tensor:
+    """The factored norm as torch.compile sees it: one opaque op, run by the eager norm (Triton and split kernels,
+    reuse) instead of the traced PyTorch form, which under Inductor took up to twice a compiled LoRA step (H200,
+    autocast, r = 16: the split A·Wᵀ became an fp32 GEMM) and recomputed what eager DoRA reuses.
+
+    ``reuse`` is ``_reuse_mode``'s answer at trace time (0 never, 1 in a checkpoint recompute, 2 across forwards);
+    ``frozen``: ``W`` takes no gradient, so its ``||W||²`` outlives optimizer steps. The graph passes aliases of the
+    parameters, so values are kept by storage (``dora_cache.StorageMemo``); the op returns a copy, which the compiled
+    graph may reuse as scratch space.
+    """
+    sources = (weight, lora_A, lora_B)
+    keep = reuse != 0 and not capturing(sources) and not any(t.is_inference() for t in sources)
+    memo = storage_memo("norm", sources) if keep else None
+    if keep and (reuse == 2 or torch._C._current_graph_task_id() != -1):
+        hit = memo.get(sources, scale)
+        if hit is not None:
+            norm_counts["norm_reused"] += 1
+            return hit.clone()
+    w_sq = None
+    if frozen and keep and _env().norm_cache is not False and not _norm_kernel_applies(weight, lora_A, lora_B):
+        w_memo = storage_memo("w_sq", (weight,), frozen=True)
+        w_sq = w_memo.get((weight,))
+        norm_counts["w_sq_computed" if w_sq is None else "w_sq_reused"] += 1
+        if w_sq is None:
+            w_sq = w_memo.put((weight,), row_sq_norm(weight))
+    norm_counts["norm_computed"] += 1
+    value = factored_row_norm(weight, lora_A, lora_B, scale, w_sq=w_sq)
+    if not keep:
+        return value
+    memo.put(sources, value, scale)
+    return value.clone()
+
+
+@_weight_norm_op.register_fake
+def _weight_norm_op_fake(weight, lora_A, lora_B, scale, reuse, frozen):
+    return weight.new_empty(weight.shape[0], dtype=_acc_dtype(weight))
+
+
+def compiled_weight_norm(layer: nn.Module, weight, lora_A, lora_B, scale) -> torch.Tensor:
+    """Under torch.compile: the norm of ``weight + scale·lora_B·lora_A`` (2-D operands as ``factored_row_norm``
+    takes them) through ``peft::dora_weight_norm``, with the reuse ``layer`` allows in this forward (none for
+    sharded, quantized or inference tensors, as in eager forwards)."""
+    sources = (weight, lora_A, lora_B)
+    reuse = _REUSE_CODES[_reuse_mode(layer, sources)] if identity_tracked(sources, inference=False) else 0
+    return torch.ops.peft.dora_weight_norm(
+        weight.detach(), lora_A.detach(), lora_B.detach(), float(scale), reuse, not weight.requires_grad
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Composition dispatch.
 # ---------------------------------------------------------------------------------------------------------------
@@ -622,8 +677,17 @@ class DoraLinearLayer(nn.Module):
         """Detached fp32 norm of ``weight + scaling·lora_B·lora_A`` per output row (weight as stored by the layer)."""
         return factored_row_norm(transpose(weight, self.fan_in_fan_out), lora_A, lora_B, scaling, w_sq=w_sq)
 
+    def _norm_operands(self, weight, lora_A, lora_B) -> Optional[tuple]:
+        """(W, A, B) as ``factored_row_norm`` takes them, or None where the norm is not a single factored row norm."""
+        return transpose(weight, self.fan_in_fan_out), lora_A, lora_B
+
     def _forward_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
-        """The norm for this forward, reused while W, A, B and s provably hold (see ``dora_cache.memoised``)."""
+        """The norm for this forward, reused while W, A, B and s provably hold (see ``dora_cache.memoised``); under
+        torch.compile one opaque op (``compiled_weight_norm``) where ``ENABLE_DORA_CACHING`` is off."""
+        if torch.compiler.is_compiling() and not ENABLE_DORA_CACHING:
+            operands = self._norm_operands(weight, lora_A, lora_B)
+            if operands is not None:
+                return compiled_weight_norm(self, *operands, scaling)
         sources = (weight, source(lora_A), source(lora_B))
         return memoised(
             self._norm_memo,
@@ -878,6 +942,9 @@ class DoraEmbeddingLayer(DoraLinearLayer):
     def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
         return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name)
 
+    def _norm_operands(self, weight, lora_A, lora_B) -> Optional[tuple]:
+        return weight.T, lora_A, lora_B
+
 
 class _DoraConvNdLayer(DoraLinearLayer):
     """Magnitude of one adapter on a ConvNd layer, shaped [1, out_channels, 1, ...] as in upstream checkpoints."""
@@ -909,6 +976,9 @@ class _DoraConvNdLayer(DoraLinearLayer):
 
     def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
         return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name)
+
+    def _norm_operands(self, weight, lora_A, lora_B) -> Optional[tuple]:
+        return None  # the conv norm is per group (factored_conv_norm): traced as PyTorch under torch.compile
 
     def adapted_output(self, x, result, *, lora_A, lora_B, scaling, base_layer, adapter_name="default"):
         """``result + forward(x, base_result=result)``: the conv scale broadcasts over a middle dimension, which the

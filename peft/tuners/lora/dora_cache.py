@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
@@ -73,14 +74,16 @@ def watch_merges(cls: type) -> None:
     cls._dora_merges_watched = True
 
 
-def identity_tracked(tensors) -> bool:
+def identity_tracked(tensors, inference: bool = True) -> bool:
     """True when every change of these tensors' values shows in their version counter or storage.
 
     Sharded or wrapped parameters (DeepSpeed ZeRO-3, DTensor/FSDP2, quantized parameter classes) are re-gathered or
-    re-materialised behind PyTorch's back; inference tensors have no version counter.
+    re-materialised behind PyTorch's back; inference tensors have no version counter (``inference=False`` leaves
+    that test to the caller: Dynamo cannot trace ``is_inference``).
     """
     return all(
-        type(t) in (torch.Tensor, nn.Parameter) and not hasattr(t, "ds_id") and not t.is_inference() for t in tensors
+        type(t) in (torch.Tensor, nn.Parameter) and not hasattr(t, "ds_id") and not (inference and t.is_inference())
+        for t in tensors
     )
 
 
@@ -120,6 +123,59 @@ class Memo:
     def put(self, tensors, value: torch.Tensor, extra=()) -> torch.Tensor:
         self.refs, self.key, self.value = tuple(weakref.ref(t) for t in tensors), self._key(tensors, extra), value
         return value
+
+
+class StorageMemo(Memo):
+    """A :class:`Memo` that identifies its tensors by their storage instead of the tensor objects: the same live
+    storage (held by a weak reference, so no other storage can take its place while the memo holds it), data
+    pointer, version counter, layout and dtype. A torch.compile'd graph hands a custom op fresh aliases of the parameters
+    (``aot_eager``) or the parameters themselves (Inductor); an alias shares its parameter's storage and version
+    counter, so both hit."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo):
+        return StorageMemo(self.epoch is _merge_epoch)
+
+    def __reduce__(self):
+        return (StorageMemo, (self.epoch is _merge_epoch,))
+
+    def _key(self, tensors, extra) -> tuple:
+        return (
+            self.epoch[0],
+            extra,
+            [
+                (t.untyped_storage()._cdata, t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device)
+                for t in tensors
+            ],
+        )
+
+    def get(self, tensors, extra=()) -> Optional[torch.Tensor]:
+        if self.value is None or any(ref.expired() for ref in self.refs):
+            return None
+        return self.value if self._key(tensors, extra) == self.key else None
+
+    def put(self, tensors, value: torch.Tensor, extra=()) -> torch.Tensor:
+        self.refs = tuple(StorageWeakRef(t.untyped_storage()) for t in tensors)
+        self.key, self.value = self._key(tensors, extra), value
+        return value
+
+
+_storage_memos: dict = {}
+_STORAGE_MEMOS_MAX = 1 << 14  # past this many entries, those whose storage is gone are dropped
+
+
+def storage_memo(what: str, tensors, frozen: bool = False) -> StorageMemo:
+    """The :class:`StorageMemo` for ``what`` of these tensors (by storage and offset): one per module's norm, kept
+    in one process-wide table, for callers that hold no module (a custom op's implementation)."""
+    key = (what,) + tuple((t.untyped_storage()._cdata, t.storage_offset()) for t in tensors)
+    memo = _storage_memos.get(key)
+    if memo is None:
+        if len(_storage_memos) >= _STORAGE_MEMOS_MAX:
+            for k in [k for k, m in _storage_memos.items() if m.value is None or any(r.expired() for r in m.refs)]:
+                del _storage_memos[k]
+        memo = _storage_memos[key] = StorageMemo(frozen)
+    return memo
 
 
 def same_objects(refs: tuple, tensors) -> bool:

@@ -180,3 +180,57 @@ def test_compiled_generate_compiles_as_lora_does(fresh_dynamo):
     assert frames == lora_frames
     for out in outputs:
         assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("reuse", (0, 2))
+def test_norm_op_opcheck(reuse):
+    """``peft::dora_weight_norm``: fake tensor, schema and no aliasing of its inputs, also when it returns a value
+    it keeps (``reuse`` 2: a copy of it)."""
+    weight, lora_A, lora_B = torch.randn(24, 40), torch.randn(6, 40), torch.randn(24, 6)
+    for frozen in (False, True):
+        torch.library.opcheck(torch.ops.peft.dora_weight_norm.default, (weight, lora_A, lora_B, 0.7, reuse, frozen))
+    expected = dora.factored_row_norm(weight, lora_A, lora_B, 0.7)
+    assert_close(torch.ops.peft.dora_weight_norm(weight, lora_A, lora_B, 0.7, reuse, True), expected)
+
+
+def test_compiled_norm_reuse_is_eager_reuse(fresh_dynamo):
+    """Under torch.compile the norm is reused where eager forwards reuse it, and only there: in the checkpoint
+    recompute (one norm per module and step), ``||W||²`` of the frozen base weight across optimizer steps, across
+    eval forwards; an in-place edit of B (same storage, new version) recomputes that module's norm, and a new B
+    tensor (new storage) too, so outputs equal eager ones."""
+    model = _dora_model(_tiny_llama(), LLAMA_TARGETS)
+    modules = sum(1 for name, _ in model.named_modules() if name.endswith("lora_magnitude_vector"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    compiled = torch.compile(model, backend=CompileCounterWithBackend("aot_eager"))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    for step in range(3):
+        dora.norm_counts.clear()
+        compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        counts = dict(dora.norm_counts)
+        assert counts["norm_computed"] == counts["norm_reused"] == modules  # forward, then its recompute
+        assert counts["w_sq_computed" if step == 0 else "w_sq_reused"] == modules
+
+    model.eval()
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        compiled(input_ids=ids)
+        dora.norm_counts.clear()
+        out = compiled(input_ids=ids).logits
+        assert dict(dora.norm_counts) == {"norm_reused": modules}
+        assert_close(out, model(input_ids=ids).logits)
+        q_proj.lora_B["default"].weight.add_(0.5)  # in place: the version counter moves
+        dora.norm_counts.clear()
+        out = compiled(input_ids=ids).logits
+        assert dora.norm_counts["norm_computed"] == 1 and dora.norm_counts["norm_reused"] == modules - 1
+        assert_close(out, model(input_ids=ids).logits)
+    new_b = q_proj.lora_B["default"].weight.detach() * 2  # a new tensor: Dynamo's guards and the memo both see it
+    q_proj.lora_B["default"].weight = nn.Parameter(new_b)
+    with torch.no_grad():
+        dora.norm_counts.clear()
+        out = compiled(input_ids=ids).logits
+        assert dora.norm_counts["norm_computed"] >= 1
+        assert_close(out, model(input_ids=ids).logits)
