@@ -31,6 +31,8 @@ def _title(doc: dict, what: str) -> str:
     env, cfg = doc["env"], doc["config"]
     ck = cfg["model"]["config_kwargs"]
     head = f"{what}: {cfg['preset']} {ck['num_hidden_layers']}L h{ck['hidden_size']} seq {cfg['model']['seq']}"
+    if cfg.get("compile"):
+        head += f", torch.compile(mode={cfg['compile']!r})"
     if doc["kind"] != "gpu":
         return f"CPU SMOKE RUN, NOT A BENCHMARK - {head}"
     return f"{head} on {env.get('gpu')} ({env.get('date')})"
