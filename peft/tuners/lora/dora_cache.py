@@ -103,10 +103,10 @@ class Memo:
         self.refs, self.key, self.value = (), None, None
 
     def __deepcopy__(self, memo):
-        return Memo(self.epoch is _merge_epoch)
+        return type(self)(self.epoch is _merge_epoch)
 
     def __reduce__(self):
-        return (Memo, (self.epoch is _merge_epoch,))
+        return (type(self), (self.epoch is _merge_epoch,))
 
     def _key(self, tensors, extra) -> tuple:
         return (
@@ -133,12 +133,6 @@ class StorageMemo(Memo):
     counter, so both hit."""
 
     __slots__ = ()
-
-    def __deepcopy__(self, memo):
-        return StorageMemo(self.epoch is _merge_epoch)
-
-    def __reduce__(self):
-        return (StorageMemo, (self.epoch is _merge_epoch,))
 
     def _key(self, tensors, extra) -> tuple:
         return (
