@@ -1,7 +1,8 @@
-"""Render the README's benchmark tables (markdown) from a ``bench_model.py`` or ``bench_kernels.py`` JSON.
+"""Render the benchmark tables of ``docs/benchmarks.md`` (markdown) from a ``bench_model.py`` or ``bench_kernels.py``
+JSON.
 
     python benchmarks/make_readme_table.py benchmarks/results/model_llama.json            # print the table
-    python benchmarks/make_readme_table.py RESULT.json --write README.md                   # replace it in place
+    python benchmarks/make_readme_table.py RESULT.json --write docs/benchmarks.md          # replace it in place
 
 ``--write`` replaces the text between ``<!-- bench-model:begin -->`` and ``<!-- bench-model:end -->``; the file
 must already hold both markers. Every number comes from the JSON; nothing is typed by hand.
