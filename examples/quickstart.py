@@ -9,7 +9,6 @@ fork: it is an ordinary PEFT script with ``LoraConfig(use_dora=True)``; the fork
 """
 
 import argparse
-import collections
 import importlib.metadata
 import resource
 import sys
@@ -77,6 +76,7 @@ def main(argv=None):
     generator = torch.Generator().manual_seed(args.seed)
 
     dora.tier_counts.clear()
+    dora.norm_counts.clear()
     losses = []
     start = time.perf_counter()
     for step in range(args.steps):
@@ -93,15 +93,11 @@ def main(argv=None):
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
 
-    tiers = collections.Counter(
-        m.last_tier for m in model.modules() if isinstance(m, dora.DoraLinearLayer) and m.last_tier is not None
-    )
     print(f"peft {importlib.metadata.version('peft')} from {peft.__file__}")
     print(f"device {device}, {args.steps} steps in {elapsed:.1f} s: {args.steps / elapsed:.2f} steps/s")
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     print(f"peak memory {peak_memory_mb(device):.0f} MB ({'CUDA allocated' if device.type == 'cuda' else 'RSS'})")
-    print("DoRA modules by tier in the last step: " + ", ".join(f"{t}: {n}" for t, n in sorted(tiers.items())))
-    print("compositions by tier over the run: " + ", ".join(f"{t}: {n}" for t, n in sorted(dora.tier_counts.items())))
+    print(dora.summary(model))  # on a CUDA GPU with Triton: fused_backward, not eager
     if not losses[-1] < losses[0]:
         print("the loss did not fall", file=sys.stderr)
         return 1

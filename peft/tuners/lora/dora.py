@@ -505,6 +505,40 @@ def _select_tier(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> str
     return TIER_FUSED_FORWARD
 
 
+TIER_MEANINGS = {
+    TIER_FUSED_BACKWARD: "training: Triton kernels forward and backward",
+    TIER_FUSED_FORWARD: "inference: one Triton kernel",
+    TIER_DECODE: "decode step (1-8 rows): two Triton launches with the reused scale",
+    TIER_SMALL_FORWARD: "few rows without autograd: two PyTorch ops with the reused scale",
+    TIER_EAGER: "PyTorch composition (CPU, no Triton, switched off, or a layout the kernels leave alone)",
+}
+
+
+def summary(model: Optional[nn.Module] = None) -> str:
+    """What DoRA ran since import (or since ``tier_counts.clear()`` / ``norm_counts.clear()``), as a few lines to
+    print: compositions per tier and what each tier is, norms computed and reused, for ``model`` its DoRA modules
+    by the tier of their latest forward, and why a CUDA run took the eager tier where that is a setting. Forwards
+    inside ``torch.compile`` are not counted (their norms are)."""
+    lines = ["DoRA compositions by tier:"]
+    for tier, count in sorted(tier_counts.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {tier}: {count}  ({TIER_MEANINGS.get(tier, '')})")
+    if not tier_counts:
+        lines.append("  none counted (no DoRA forward yet, or only compiled ones)")
+    computed, reused_ = norm_counts.get("norm_computed", 0), norm_counts.get("norm_reused", 0)
+    lines.append(f"weight norms: {computed} computed, {reused_} reused")
+    if model is not None:
+        latest = collections.Counter(
+            m.last_tier for m in model.modules() if isinstance(m, DoraLinearLayer) and m.last_tier is not None
+        )
+        lines.append("modules by latest tier: " + (", ".join(f"{t}: {n}" for t, n in sorted(latest.items())) or "none"))
+    if tier_counts.get(TIER_EAGER) and torch.cuda.is_available():
+        if _env().fused is False:
+            lines.append("eager because PEFT_DORA_FUSED=0; unset it for the fused tiers")
+        elif not is_triton_available():
+            lines.append("eager because Triton is not installed: `pip install triton` gives the fused tiers")
+    return "\n".join(lines)
+
+
 def _record_tier(layer: nn.Module, tier: str) -> None:
     """Count ``tier`` in ``tier_counts`` and keep it as ``layer.last_tier`` (a plain attribute: set without
     ``nn.Module.__setattr__``'s parameter/buffer/module bookkeeping, which costs microseconds per decode step).

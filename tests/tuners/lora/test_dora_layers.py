@@ -8,7 +8,7 @@ from dora_testing import assert_close, to_upstream
 from test_dora_parity import build, inputs_for, run
 from torch import nn
 
-from peft import LoraConfig, get_peft_model_state_dict
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from peft.helpers import DoraCaching
 from peft.tuners.lora import dora
 
@@ -333,3 +333,21 @@ def test_forward_makes_its_tensors_device_current(monkeypatch):
     assert forward(None, "c", None, torch.zeros(1)) == "c" and seen == [1, 0, 0] and entered == [1]
     for variant in (dora.DoraLinearVariant, dora.DoraEmbeddingVariant, dora.DoraConv2dVariant):
         assert variant.forward.__wrapped__ is not None, variant
+
+
+def test_summary_names_tiers_norms_and_why_eager(monkeypatch):
+    """``dora.summary`` counts compositions per tier with their meaning, norms computed/reused and the model's modules
+    by latest tier, and says why a CUDA machine ran eager where a setting is the reason."""
+    torch.manual_seed(0)
+    model = get_peft_model(nn.Sequential(nn.Linear(8, 8)), LoraConfig(r=2, use_dora=True, target_modules=["0"]))
+    dora.tier_counts.clear()
+    dora.norm_counts.clear()
+    model(torch.randn(3, 8))
+    text = dora.summary(model)
+    assert "eager: 1  (PyTorch composition" in text
+    assert "weight norms: 1 computed, 0 reused" in text
+    assert "modules by latest tier: eager: 1" in text
+    assert "because" not in text or torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dora, "is_triton_available", lambda: False)
+    assert "Triton is not installed" in dora.summary()
