@@ -128,9 +128,9 @@ class Memo:
 class StorageMemo(Memo):
     """A :class:`Memo` that identifies its tensors by their storage instead of the tensor objects: the same live
     storage (held by a weak reference, so no other storage can take its place while the memo holds it), data
-    pointer, version counter, layout and dtype. A torch.compile'd graph hands a custom op fresh aliases of the parameters
-    (``aot_eager``) or the parameters themselves (Inductor); an alias shares its parameter's storage and version
-    counter, so both hit."""
+    pointer, version counter, layout and dtype. A torch.compile'd graph hands a custom op fresh aliases of the
+    parameters (``aot_eager``) or the parameters themselves (Inductor); an alias shares its parameter's storage and
+    version counter, so both hit."""
 
     __slots__ = ()
 

@@ -79,7 +79,7 @@ if _HAS_TRITON:
         BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """a[t, j] = Σ_k x[t, k]·A[j, k] for BLOCK_R rows j of A; inputs rounded to a's dtype, fp32 sums."""
-        pid = tl.program_id(0)
+        pid = tl.program_id(0).to(tl.int64)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         tokens = tl.arange(0, BLOCK_T)
         row_mask, token_mask = rows < rank, tokens < n_tokens
@@ -95,7 +95,7 @@ if _HAS_TRITON:
     ):  # fmt: skip
         """lora = a·Bᵀ for BLOCK_N output columns (rounded to a's dtype), then out = g·(result + s·lora) + f₁ with
         g = f[0] and f₁ = f[1] = (1 − g)·bias, in fp32 and rounded once."""
-        pid = tl.program_id(0)
+        pid = tl.program_id(0).to(tl.int64)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tokens = tl.arange(0, BLOCK_T)
         col_mask, token_mask = cols < d_out, tokens < n_tokens

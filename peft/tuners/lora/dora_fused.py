@@ -394,8 +394,8 @@ def _policy(n_rows: int, n_cols: int) -> tuple[int, int, int]:
 
 # The backward's d_m partial sums: about this many programs, at most this many row bands, so that the [bands, d_out]
 # fp32 partial buffer is small (at most 64 rows) and the column sum that reduces it has one step per program.
-# H200, 4096 rows, backward + column sum (benchmarks/bwd_policy.py -> results/bwd_policy.json): d_out 1024 / 4096 /
-# 14336 took 54 / 120 / 150 µs with 4096 programs (8 rows each at d_out 4096: a partial buffer a quarter the size
+# H200, 4096 rows, backward + column sum (probe bwd_policy.py, in git history; results/bwd_policy.json): d_out 1024 /
+# 4096 / 14336 took 54 / 120 / 150 µs with 4096 programs (8 rows each at d_out 4096: a partial buffer a quarter the size
 # of d_out's read, and a column sum walking 512 bands in 16 programs), 10.7 / 40 / 126 µs with these.
 _BACKWARD_PROGRAMS = 1024
 _BACKWARD_MAX_BANDS = 64

@@ -433,7 +433,7 @@ def split_row_norm(
     bf16 alone measured up to 1.1e-5 relative error in the norm (‖s·B·A‖ = 0.1‖W‖, H200), above the 1e-5 contract;
     the split keeps it near 1e-7. ``B·G`` through cuBLAS took less than half the time of the same product in 3xTF32
     inside a Triton epilogue on the H200 (a [14336, 384] B: the B and Gram splits, the GEMM and the epilogue about
-    77 µs, the previous epilogue 188 µs; benchmarks/split_norm_candidates.py).
+    77 µs, the previous epilogue 188 µs; probe split_norm_candidates.py, in git history).
     """
     d_out, d_in = weight.shape
     r = lora_A.shape[0]
