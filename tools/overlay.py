@@ -20,7 +20,9 @@ OVERLAY_FILES = (
     "tuners/lora/dora_fused.py",
     "tuners/lora/dora_graph.py",
     "tuners/lora/dora_launch.py",
+    "tuners/lora/dora_norm.py",
     "tuners/lora/dora_norm_triton.py",
+    "tuners/lora/dora_settings.py",
 )
 GLUE_FILE = "tuners/lora/variants.py"
 # Upstream resolves every DoRA variant through `variants.Dora*Variant` at call time (layer.py, bnb.py, gptq.py,

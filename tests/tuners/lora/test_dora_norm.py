@@ -146,7 +146,7 @@ def test_conv_norm_matches_upstream_semantics(groups, r):
 def test_invalid_fused_env_value_is_a_clear_error(dora_env, value):
     dora_env("PEFT_DORA_FUSED", value)
     with pytest.raises(ValueError, match="PEFT_DORA_FUSED"):
-        dora._use_fused_kernels()
+        dora._env()
 
 
 @pytest.mark.parametrize("name", ["PEFT_DORA_FUSED", "PEFT_DORA_FUSED_BACKWARD"])

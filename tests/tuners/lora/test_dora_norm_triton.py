@@ -124,9 +124,9 @@ def test_launch_policy(d_out, d_in, r):
 def test_norm_kernel_dispatch_follows_dtypes_and_switch(dora_env, monkeypatch):
     """Auto: the kernel for a half weight with same-dtype half adapters; fp32 adapters (autocast) keep the PyTorch
     norm unless PEFT_DORA_NORM_KERNEL=1; 0 or PEFT_DORA_FUSED=0 turn it off."""
-    from peft.tuners.lora import dora
+    from peft.tuners.lora import dora, dora_norm_triton
 
-    monkeypatch.setattr(dora.dora_norm_triton, "row_norm_supported", lambda *t: True)
+    monkeypatch.setattr(dora_norm_triton, "row_norm_supported", lambda *t: True)
     bf16, f32 = torch.empty(2, 3, dtype=torch.bfloat16), torch.empty(2, 3)
     a_bf16, b_bf16, a_f32, b_f32 = (
         torch.empty(1, 3).bfloat16(),

@@ -1,0 +1,307 @@
+# Copyright 2026-present the peft-dora-fast authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""DoRA's weight norm ``||W + s·B·A||_row``, factored: ``||W||²_row``, the cross term through ``U = W·Aᵀ`` and
+``||B·A||²_row`` through the Gram ``G = A·Aᵀ`` – never a dense ``B·A`` – in fp32 under ``no_grad``; which of its
+implementations runs (PyTorch, the one-pass and split Triton norms, a CUDA graph), when a computed norm may be reused
+(``_reuse_mode``), and the norm as one opaque op under torch.compile (``peft::dora_weight_norm``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import dora_fused, dora_norm_triton
+from .dora_cache import capturing, identity_tracked, norm_counts, storage_memo
+from .dora_launch import _INTERPRET
+from .dora_settings import _env, get_dora_norm_threshold_bytes
+
+
+def _eps_for(dtype: torch.dtype) -> float:
+    return 1e-6 if dtype in (torch.float16, torch.bfloat16) else 1e-12
+
+
+def _chunk_columns(d_out: int, r: int, d_in: int, budget_bytes: int) -> int:
+    """Columns per chunk so that the fp32 copies of a chunk of W ([d_out, cs]) and of A ([r, cs]) fit the budget."""
+    cs = budget_bytes // (4 * (d_out + r))
+    cs = max(64, cs - cs % 64)  # multiples of 64 keep the matmul tiles aligned on tensor cores
+    return max(1, min(d_in, cs))
+
+
+def _acc_dtype(weight: torch.Tensor) -> torch.dtype:
+    """fp32 accumulation, or fp64 for an fp64 weight."""
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
+def _matmul_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, split: bool = False) -> torch.Tensor:
+    """a @ b accumulated and returned in ``acc``.
+
+    On CUDA, half-precision ``a`` stays in its dtype and runs on the tensor cores with an fp32 output (no fp32 copy
+    of the weight chunk); everywhere else both operands are upcast. ``b`` is rounded to ``a``'s dtype there, unless
+    ``split`` (``b`` holds values wider than ``a``'s dtype, e.g. fp32 adapters on a bf16 weight): then it goes in as
+    a hi and a lo half-precision part side by side, one GEMM of twice the columns. Rounding fp32 ``A`` to bf16 for
+    ``W·Aᵀ`` measured up to 1.1e-5 relative error in the norm on the H200 (‖s·B·A‖ = 0.1‖W‖), above the 1e-5
+    contract; with the split, ≤ 1.6e-7.
+    """
+    if not (a.is_cuda and a.dtype in (torch.float16, torch.bfloat16)):
+        return a.to(acc) @ b.to(acc)
+    if not split:
+        return torch.mm(a, b.to(a.dtype), out_dtype=acc)
+    n = b.shape[1]
+    out = torch.mm(a, _hi_lo(b, a.dtype, 1), out_dtype=acc)  # [a·b_hi | a·b_lo]
+    return out[:, :n].add_(out[:, n:])
+
+
+@torch.no_grad()
+def row_sq_norm(weight: torch.Tensor, chunk_bytes: Optional[int] = None) -> torch.Tensor:
+    """``||W||²`` per row of ``W`` [d_out, d_in] in fp32, in column chunks of the norm's budget."""
+    d_out, d_in = weight.shape
+    cs = _chunk_columns(d_out, 0, d_in, get_dora_norm_threshold_bytes() if chunk_bytes is None else chunk_bytes)
+    acc = _acc_dtype(weight)
+    w_sq = torch.zeros(d_out, device=weight.device, dtype=acc)
+    for c in range(0, d_in, cs):
+        w_sq += torch.linalg.vector_norm(weight[:, c : c + cs], dim=1, dtype=acc).square()
+    return w_sq
+
+
+@torch.no_grad()
+def factored_row_norm(
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scale: float,
+    chunk_bytes: Optional[int] = None,
+    w_sq: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``||W + scale·B·A||`` per row of ``W`` in fp32, detached, without forming ``B·A``.
+
+    Args:
+        weight: ``W``, [d_out, d_in], any float dtype and strides (a transposed view is fine).
+        lora_A: ``A``, [r, d_in].
+        lora_B: ``B``, [d_out, r].
+        scale: the LoRA scaling ``s``; with ``s == 0`` the cross and Gram terms are skipped.
+        chunk_bytes: budget for the fp32 chunk copies (default: ``PEFT_DORA_NORM_CHUNK_MB``).
+        w_sq: ``||W||²_row`` if already known (a frozen weight's cached value), fp32 [d_out].
+    """
+    d_out, d_in = weight.shape
+    r = lora_A.shape[0]
+    if lora_A.shape != (r, d_in) or lora_B.shape != (d_out, r):
+        raise ValueError(
+            f"factored norm: shapes do not chain: W {tuple(weight.shape)}, A {tuple(lora_A.shape)}, "
+            f"B {tuple(lora_B.shape)} (expected A [r, {d_in}] and B [{d_out}, r])"
+        )
+    if _norm_kernel_applies(weight, lora_A, lora_B):
+        return dora_norm_triton.row_norm_checked(weight, lora_A, lora_B, scale)
+    budget = get_dora_norm_threshold_bytes() if chunk_bytes is None else chunk_bytes
+    cs = _chunk_columns(d_out, r, d_in, budget)
+    scale = float(scale)
+    device = weight.device
+    acc = _acc_dtype(weight)
+    if device.type == "meta":  # low_cpu_mem_usage: shapes only, values come with the state dict
+        return torch.empty(d_out, device=device, dtype=acc)
+    with torch.autocast(device_type=device.type, enabled=False):
+        if scale == 0.0:
+            return (row_sq_norm(weight, budget) if w_sq is None else w_sq).sqrt()
+        if _split_norm_applies(weight, lora_A, lora_B):
+            w_sq = row_sq_norm(weight, budget) if w_sq is None else w_sq
+            return dora_norm_triton.split_row_norm(weight, lora_A, lora_B, scale, w_sq, cs)
+        own_w_sq = w_sq is None
+        # fp32 (or wider) adapters on a half weight: A keeps its precision in W·Aᵀ (see _matmul_acc)
+        split = torch.finfo(lora_A.dtype).bits > torch.finfo(weight.dtype).bits
+        b_acc = _as(lora_B, device, acc)
+        u = gram = None
+        for c in range(0, max(d_in, 1), cs):  # one (empty) chunk for d_in == 0, so every sum exists
+            w_c, a_c = (weight, lora_A) if cs >= d_in else (weight[:, c : c + cs], lora_A[:, c : c + cs])
+            a_c = _as(a_c, device, acc)
+            if own_w_sq:
+                w_sq = _accumulate(w_sq, torch.linalg.vector_norm(w_c, dim=1, dtype=acc).square())
+            gram = _accumulate(gram, a_c @ a_c.T)
+            u = _accumulate(u, _matmul_acc(w_c, a_c.T, acc, split))
+        # 2s·cross + s²·ba_sq = rowsum(B ⊙ (2s·U + s²·B·G)): one GEMM and one row-wise dot instead of two of each.
+        # Launches, not flops, decide the norm's cost on real models (host-bound), so fewer ops is the point.
+        t = (b_acc * torch.addmm(u, b_acc, gram, beta=2.0 * scale, alpha=scale * scale)).sum(dim=1)
+        return (w_sq + t).clamp_min_(0).sqrt_()  # clamp_min keeps NaN
+
+
+def _as(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(device, dtype)``, without the call where it would return ``t`` (host time counts on the hot path)."""
+    return t if t.dtype == dtype and t.device == device else t.to(device=device, dtype=dtype)
+
+
+def _hi_lo(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
+    """``t`` (fp32) as ``hi`` and ``lo`` in ``dtype`` concatenated along ``dim``: ``hi`` is ``t`` rounded, ``lo`` the
+    rounded remainder, so ``hi + lo`` keeps about 16 of fp32's 24 mantissa bits (bf16) instead of 8."""
+    n = t.shape[dim]
+    out = torch.empty(t.shape[:dim] + (2 * n,) + t.shape[dim + 1 :], dtype=dtype, device=t.device)
+    hi, lo = out.narrow(dim, 0, n), out.narrow(dim, n, n)
+    hi.copy_(t)
+    torch.sub(t, hi, out=lo)
+    return out
+
+
+def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
+    """Whether the one-pass Triton norm (``dora_norm_triton``) computes this norm instead of the PyTorch form below.
+
+    Auto (PEFT_DORA_NORM_KERNEL unset): for a half weight with adapters of the same half dtype, where it is both
+    faster and more precise on the H200 (bf16 layer of seven Llama projections: 1.2 vs 1.8 ms GPU time per decode
+    step, two launches instead of ten, 1.6e-7 vs 1e-5 relative error). With fp32 adapters (PEFT's autocast default)
+    the kernel's three bf16 hi/lo products took ~4x the time of cuBLAS GEMMs against a split A at r = 384, so those
+    take the norm (``_split_norm_applies``); PEFT_DORA_NORM_KERNEL=1 takes the kernel wherever it runs, 0 never (the
+    PyTorch form), and PEFT_DORA_FUSED=0 turns it off with the other kernels.
+    """
+    env = _env()
+    if env.fused is False or env.norm_kernel is False:
+        return False
+    if env.norm_kernel is None and not (
+        weight.dtype in (torch.bfloat16, torch.float16) and lora_A.dtype == lora_B.dtype == weight.dtype
+    ):
+        return False  # decided by dtypes alone: the support check below costs host time on every forward
+    return dora_norm_triton.row_norm_supported(weight, lora_A, lora_B)
+
+
+def _split_norm_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
+    """Whether ``dora_norm_triton.split_row_norm`` computes the norm of fp32 adapters on a half weight (PEFT's
+    autocast default): seven launches (three hi/lo splits, three GEMMs, the row-wise epilogue; one graph launch in
+    training) where the PyTorch form below takes eleven, and the Gram and ``B·G`` on the tensor cores instead of
+    fp32 SIMT GEMMs. Off with PEFT_DORA_FUSED=0 or PEFT_DORA_NORM_KERNEL=0 (the PyTorch form), and with
+    PEFT_DORA_NORM_KERNEL=1 (the one-pass kernel takes every norm it can)."""
+    env = _env()
+    if env.fused is False or env.norm_kernel is not None:
+        return False
+    return dora_norm_triton.split_norm_supported(weight, lora_A, lora_B)
+
+
+def _norm_graph_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
+    """Whether a training norm is replayed as a CUDA graph (``dora_graph``): CUDA tensors of one device whose
+    identity PyTorch tracks (not sharded, quantized or inference tensors), outside ``torch.compile`` and outside a
+    graph capture of the caller's own; off with PEFT_DORA_NORM_GRAPH=0 or PEFT_DORA_FUSED=0."""
+    env = _env()
+    if env.norm_graph is False or env.fused is False or _INTERPRET or not weight.is_cuda:
+        return False
+    if lora_A.device != weight.device or lora_B.device != weight.device or torch.compiler.is_compiling():
+        return False
+    sources = (weight, lora_A, lora_B)
+    return identity_tracked(sources) and not capturing(sources)
+
+
+def _accumulate(total: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
+    """``total + part`` in place into ``total`` (our own buffer), or ``part`` itself for the first chunk."""
+    return part if total is None else total.add_(part)
+
+
+@torch.no_grad()
+def factored_conv_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per-output-channel norm of ``W + s·ΔW`` for a conv weight, [d_out] fp32.
+
+    ``ΔW`` is upstream's ``(B.view(-1, r) @ A.view(r, -1)).reshape(W.shape)``. With ``groups`` > 1 (B has
+    ``r / groups`` input channels) row ``j`` of that reshaped product is row ``j // groups`` of ``B.view(-1, r)``
+    times column block ``j % groups`` of ``A.view(r, -1)``, so each block is its own factored norm.
+    """
+    d_out = weight.shape[0]
+    r = lora_A.shape[0]
+    w2 = weight.reshape(d_out, -1)
+    b2 = lora_B.reshape(-1, r)
+    a2 = lora_A.reshape(r, -1)
+    groups = d_out // b2.shape[0]
+    if groups == 1:
+        return factored_row_norm(w2, a2, b2, scale)
+    width = w2.shape[1]
+    norm = torch.empty(d_out, device=weight.device, dtype=_acc_dtype(weight))
+    for q in range(groups):
+        norm[q::groups] = factored_row_norm(w2[q::groups], a2[:, q * width : (q + 1) * width], b2, scale)
+    return norm
+
+
+def _magnitude_scale(magnitude: torch.Tensor, weight_norm: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+    """g = m / max(w_norm, eps) in fp32 (or wider), differentiable in m; eps depends on the weight's dtype."""
+    return magnitude / weight_norm.clamp_min(_eps_for(weight_dtype))
+
+
+def _reuse_mode(layer: nn.Module, factors=()) -> Optional[str]:
+    """``"any"``: reuse norms across forwards; ``"recompute"``: only in a gradient-checkpoint recompute; None: never.
+
+    With PEFT_DORA_NORM_CACHE unset, an eval-mode forward that autograd does not record through ``factors`` (W, A, B:
+    generation, evaluation) reuses across forwards; a training forward reuses only in its own recompute.
+    """
+    mode = _env().norm_cache
+    if mode is False:
+        return None
+    if mode or not (layer.training or dora_fused.records_grad(*factors)):
+        return "any"
+    return "recompute"
+
+
+_REUSE_CODES = {None: 0, "recompute": 1, "any": 2}
+
+
+@torch.library.custom_op("peft::dora_weight_norm", mutates_args=())
+def _weight_norm_op(
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float, reuse: int, frozen: bool
+) -> torch.Tensor:
+    """The factored norm as torch.compile sees it: one opaque op, run by the eager norm (Triton and split kernels,
+    reuse) instead of the traced PyTorch form, which under Inductor took up to twice a compiled LoRA step (H200,
+    autocast, r = 16: the split A·Wᵀ became an fp32 GEMM) and recomputed what eager DoRA reuses.
+
+    ``reuse`` is ``_reuse_mode``'s answer at trace time (0 never, 1 in a checkpoint recompute, 2 across forwards);
+    ``frozen``: ``W`` takes no gradient, so its ``||W||²`` outlives optimizer steps. The graph passes aliases of the
+    parameters, so values are kept by storage (``dora_cache.StorageMemo``); the op returns a copy, which the compiled
+    graph may reuse as scratch space. Nothing is kept on a side stream (see ``_on_default_stream``).
+    """
+    sources = (weight, lora_A, lora_B)
+    keep = reuse != 0 and _on_default_stream(weight) and not capturing(sources)
+    keep = keep and not any(t.is_inference() for t in sources)
+    memo = storage_memo("norm", sources) if keep else None
+    if keep and (reuse == 2 or torch._C._current_graph_task_id() != -1):
+        hit = memo.get(sources, scale)
+        if hit is not None:
+            norm_counts["norm_reused"] += 1
+            return hit.clone()
+    w_sq = None
+    if frozen and keep and _env().norm_cache is not False and not _norm_kernel_applies(weight, lora_A, lora_B):
+        w_memo = storage_memo("w_sq", (weight,), frozen=True)
+        w_sq = w_memo.get((weight,))
+        norm_counts["w_sq_computed" if w_sq is None else "w_sq_reused"] += 1
+        if w_sq is None:
+            w_sq = w_memo.put((weight,), row_sq_norm(weight))
+    norm_counts["norm_computed"] += 1
+    value = factored_row_norm(weight, lora_A, lora_B, scale, w_sq=w_sq)
+    if not keep:
+        return value
+    memo.put(sources, value, scale)
+    return value.clone()
+
+
+def _on_default_stream(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device runs on its default stream. Inductor's CUDA-graph trees (``mode="reduce-overhead"``)
+    run a graph's first calls on a stream of their own with every allocation routed to their private pool, which
+    must hold nothing but the graph's outputs afterwards, and replays do not run the op at all: a value kept there
+    would break the pool and never be read."""
+    return not t.is_cuda or torch.cuda.current_stream(t.device) == torch.cuda.default_stream(t.device)
+
+
+@_weight_norm_op.register_fake
+def _weight_norm_op_fake(weight, lora_A, lora_B, scale, reuse, frozen):
+    return weight.new_empty(weight.shape[0], dtype=_acc_dtype(weight))
+
+
+def compiled_weight_norm(layer: nn.Module, weight, lora_A, lora_B, scale) -> torch.Tensor:
+    """Under torch.compile: the norm of ``weight + scale·lora_B·lora_A`` (2-D operands as ``factored_row_norm``
+    takes them) through ``peft::dora_weight_norm``, with the reuse ``layer`` allows in this forward (none for
+    sharded, quantized or inference tensors, as in eager forwards)."""
+    sources = (weight, lora_A, lora_B)
+    reuse = _REUSE_CODES[_reuse_mode(layer, sources)] if identity_tracked(sources, inference=False) else 0
+    return torch.ops.peft.dora_weight_norm(
+        weight.detach(), lora_A.detach(), lora_B.detach(), float(scale), reuse, not weight.requires_grad
+    )

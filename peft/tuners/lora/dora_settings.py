@@ -1,0 +1,121 @@
+# Copyright 2026-present the peft-dora-fast authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""DoRA's runtime switches: the ``PEFT_DORA_*`` environment variables, read once into one frozen snapshot
+(``_env()``); ``_invalidate_fused_cache()`` is the one reset (tests, or after changing a variable at run time)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+
+_MB = 1 << 20
+_NORM_CHUNK_MB_RANGE = (16, 65536)
+
+
+def _parse_tristate(name: str) -> Optional[bool]:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value in ("1", "true"):
+        return True
+    if value in ("0", "false"):
+        return False
+    raise ValueError(f"{name}={raw!r} is not valid: use 1/true (force on), 0/false (off), or leave it unset (auto)")
+
+
+def _parse_mb(name: str, default: int, low: int, high: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer number of MB") from None
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value} is out of range: it must lie in [{low}, {high}] MB")
+    return value
+
+
+@dataclass(frozen=True)
+class _DoraEnv:
+    fused: Optional[bool]  # PEFT_DORA_FUSED: None = auto (Triton kernels when available)
+    fused_backward: Optional[bool]  # PEFT_DORA_FUSED_BACKWARD: None = auto (above the crossover)
+    norm_cache: Optional[bool]  # PEFT_DORA_NORM_CACHE: None = in checkpoint recompute only, True = across forwards
+    norm_kernel: Optional[bool]  # PEFT_DORA_NORM_KERNEL: None = auto (where it is faster), True = wherever it runs
+    norm_graph: Optional[bool]  # PEFT_DORA_NORM_GRAPH: None/True = training norms replayed as CUDA graphs, False = not
+    norm_chunk_mb: int  # PEFT_DORA_NORM_CHUNK_MB
+    fwd_chunk_mb: int  # PEFT_DORA_FWD_CHUNK_MB
+
+    @classmethod
+    def from_environ(cls) -> "_DoraEnv":
+        return cls(
+            fused=_parse_tristate("PEFT_DORA_FUSED"),
+            fused_backward=_parse_tristate("PEFT_DORA_FUSED_BACKWARD"),
+            norm_cache=_parse_tristate("PEFT_DORA_NORM_CACHE"),
+            norm_kernel=_parse_tristate("PEFT_DORA_NORM_KERNEL"),
+            norm_graph=_parse_tristate("PEFT_DORA_NORM_GRAPH"),
+            norm_chunk_mb=_parse_mb("PEFT_DORA_NORM_CHUNK_MB", 256, *_NORM_CHUNK_MB_RANGE),
+            fwd_chunk_mb=_parse_mb("PEFT_DORA_FWD_CHUNK_MB", 256, 1, 1 << 20),
+        )
+
+
+_env_snapshot: Optional[_DoraEnv] = None
+_env_lock = threading.Lock()
+
+
+def _env() -> _DoraEnv:
+    snapshot = _env_snapshot  # one read of the global: the hot path takes no lock
+    if snapshot is None:
+        snapshot = _load_env()
+    return snapshot
+
+
+def _load_env() -> _DoraEnv:
+    global _env_snapshot
+    with _env_lock:
+        if _env_snapshot is None:
+            _env_snapshot = _DoraEnv.from_environ()
+        return _env_snapshot
+
+
+def _invalidate_fused_cache() -> None:
+    """Forget the cached environment (tests, or after changing ``PEFT_DORA_*`` at run time)."""
+    global _env_snapshot
+    with _env_lock:
+        _env_snapshot = None
+
+
+def set_dora_norm_threshold_mb(mb: int) -> None:
+    """Set the norm's working-set budget (``PEFT_DORA_NORM_CHUNK_MB``), an integer number of MB in [16, 65536]."""
+    low, high = _NORM_CHUNK_MB_RANGE
+    if isinstance(mb, bool) or not isinstance(mb, int):
+        raise ValueError(f"the DoRA norm threshold must be an integer number of MB, got {mb!r}")
+    if not low <= mb <= high:
+        raise ValueError(f"the DoRA norm threshold must lie in [{low}, {high}] MB, got {mb}")
+    os.environ["PEFT_DORA_NORM_CHUNK_MB"] = str(mb)
+    _invalidate_fused_cache()
+
+
+def get_dora_norm_threshold_mb() -> int:
+    """The norm's working-set budget in MB."""
+    return _env().norm_chunk_mb
+
+
+def get_dora_norm_threshold_bytes() -> int:
+    """The norm's working-set budget in bytes."""
+    return _env().norm_chunk_mb * _MB
