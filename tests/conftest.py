@@ -42,3 +42,15 @@ def dora_env():
         del os.environ[name]
     os.environ.update(before)
     dora._invalidate_fused_cache()
+
+
+@pytest.fixture
+def dora_switches():
+    """``dora_switches(decode_kernels=False, ...)`` sets DoRA settings fields (``dora_settings.override``) until the test
+    ends; a later call wins over an earlier one."""
+    import contextlib
+
+    from peft.tuners.lora import dora_settings
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **fields: stack.enter_context(dora_settings.override(**fields))

@@ -278,8 +278,6 @@ def _lora_output(lora_A: nn.Module, lora_B: nn.Module, x: torch.Tensor) -> torch
     return lora_B(lora_A(x))
 
 
-_ONE_NODE_BRANCH = True  # tests switch it off to compare with the separate LoRA-branch nodes
-_DECODE_KERNELS = True  # tests switch it off to compare with the small forward's matmuls and PyTorch ops
 
 
 def _plain_branch(lora_A: nn.Module, lora_B: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -450,7 +448,7 @@ class DoraLinearLayer(nn.Module):
             if out is not None:
                 return out
             a = F.linear(x, weights[0])
-            if _ONE_NODE_BRANCH and torch.is_grad_enabled():
+            if torch.is_grad_enabled() and _env().one_node_branch:
                 out = self._branch_output(a, result, weight, weights, bias, scaling, adapter_name)
                 if out is not None:
                     return out
@@ -522,7 +520,7 @@ class DoraLinearLayer(nn.Module):
         """``F.linear(F.linear(x, A), B)`` and the small forward's composition in two Triton launches
         (``dora_decode``), for at most ``dora_decode.MAX_TOKENS`` rows without autograd, or None where they do not
         apply. Same conditions and reused factors as :meth:`_small_output`, whose four launches they replace."""
-        if not _DECODE_KERNELS or result.numel() > dora_decode.MAX_TOKENS * result.shape[-1]:
+        if result.numel() > dora_decode.MAX_TOKENS * result.shape[-1] or not _env().decode_kernels:
             return None
         magnitude = self._parameters["weight"]
         if torch.is_grad_enabled() and (

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import threading
 from dataclasses import dataclass
@@ -60,6 +62,9 @@ class _DoraEnv:
     norm_graph: Optional[bool]  # PEFT_DORA_NORM_GRAPH: None/True = training norms replayed as CUDA graphs, False = not
     norm_chunk_mb: int  # PEFT_DORA_NORM_CHUNK_MB
     fwd_chunk_mb: int  # PEFT_DORA_FWD_CHUNK_MB
+    # not environment variables: tests switch these off (``override``) to compare with the paths they replace
+    one_node_branch: bool = True  # lora_B inside the training output's node; off: separate LoRA-branch nodes
+    decode_kernels: bool = True  # the decode launches; off: the small forward's matmuls and PyTorch ops
 
     @classmethod
     def from_environ(cls) -> "_DoraEnv":
@@ -76,6 +81,7 @@ class _DoraEnv:
 
 _env_snapshot: Optional[_DoraEnv] = None
 _env_lock = threading.Lock()
+_overrides: dict = {}  # fields set by `override`, over what the environment says
 
 
 def _env() -> _DoraEnv:
@@ -89,7 +95,7 @@ def _load_env() -> _DoraEnv:
     global _env_snapshot
     with _env_lock:
         if _env_snapshot is None:
-            _env_snapshot = _DoraEnv.from_environ()
+            _env_snapshot = dataclasses.replace(_DoraEnv.from_environ(), **_overrides)
         return _env_snapshot
 
 
@@ -98,6 +104,24 @@ def _invalidate_fused_cache() -> None:
     global _env_snapshot
     with _env_lock:
         _env_snapshot = None
+
+
+@contextlib.contextmanager
+def override(**fields):
+    """Set snapshot fields (e.g. ``decode_kernels=False``) for the duration of a block, over the environment; every
+    snapshot taken inside it carries them, also after ``_invalidate_fused_cache()``. For tests."""
+    unknown = set(fields) - {f.name for f in dataclasses.fields(_DoraEnv)}
+    if unknown:
+        raise TypeError(f"no DoRA settings named {sorted(unknown)}")
+    global _overrides
+    before = _overrides
+    _overrides = {**before, **fields}
+    _invalidate_fused_cache()
+    try:
+        yield
+    finally:
+        _overrides = before
+        _invalidate_fused_cache()
 
 
 def set_dora_norm_threshold_mb(mb: int) -> None:

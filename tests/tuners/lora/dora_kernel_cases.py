@@ -309,7 +309,7 @@ def test_output_with_a_zero_magnitude_keeps_inner():
 
 @pytest.mark.parametrize("path", ("small_forward", "decode"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_small_eval_forward_reuses_its_factors(dora_env, monkeypatch, dtype, path):
+def test_small_eval_forward_reuses_its_factors(dora_switches, dora_env, monkeypatch, dtype, path):
     """Eval without autograd and few rows (decode): the decode kernels (up to dora_decode.MAX_TOKENS rows; switched
     off here for the other path) or two in-place PyTorch ops on the LoRA output, with g and (1 − g)·bias kept from
     the first forward. Agrees with the eager tier like the kernel does, never goes stale, and steps aside for large
@@ -319,7 +319,7 @@ def test_small_eval_forward_reuses_its_factors(dora_env, monkeypatch, dtype, pat
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import dora
 
-    monkeypatch.setattr(dora, "_DECODE_KERNELS", path == "decode")
+    dora_switches(decode_kernels=path == "decode")
     tier = dora.TIER_DECODE if path == "decode" else dora.TIER_SMALL_FORWARD
 
     torch.manual_seed(0)
@@ -447,7 +447,7 @@ def test_decode_layout_rejects_what_the_kernels_do_not_compute(case):
     assert Dd.decode_layout(x, result, weight_a, weight_b) is None
 
 
-def test_decode_tier_in_a_model_and_its_fallbacks(dora_env, monkeypatch):
+def test_decode_tier_in_a_model_and_its_fallbacks(dora_switches, dora_env, monkeypatch):
     """A DoRA model in eval without autograd decodes through the two launches: same output as with them switched off
     (matmuls and the small forward's ops), in autocast too; a hook on lora_A, autograd, more rows than MAX_TOKENS or
     a training-mode forward take the other paths."""
@@ -462,7 +462,7 @@ def test_decode_tier_in_a_model_and_its_fallbacks(dora_env, monkeypatch):
     peft_model = get_peft_model(model, config).eval()
 
     def run(x, decode, autocast=False):
-        monkeypatch.setattr(dora, "_DECODE_KERNELS", decode)
+        dora_switches(decode_kernels=decode)
         dora.tier_counts.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             return peft_model(x), dict(dora.tier_counts)
@@ -498,7 +498,7 @@ def test_decode_plan_is_reused_and_never_stale(dora_env):
     from torch import nn
 
     from peft import LoraConfig, get_peft_model
-    from peft.tuners.lora import dora
+    from peft.tuners.lora import dora, dora_settings
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 40))
@@ -508,8 +508,7 @@ def test_decode_plan_is_reused_and_never_stale(dora_env):
     slot = layer.lora_magnitude_vector["default"]._decode
 
     def fresh(x):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(dora, "_DECODE_KERNELS", False)
+        with dora_settings.override(decode_kernels=False):
             return peft_model(x)
 
     with torch.no_grad():
@@ -560,18 +559,18 @@ def _branch_step(model, x, mode, one_node, monkeypatch, d_y=None, checkpointed=F
 
     from torch.utils.checkpoint import checkpoint
 
-    from peft.tuners.lora import dora
+    from peft.tuners.lora import dora_settings
 
-    monkeypatch.setattr(dora, "_ONE_NODE_BRANCH", one_node)
     calls = []
     original = F.FusedDoRALinearFunction.forward
     monkeypatch.setattr(F.FusedDoRALinearFunction, "forward", staticmethod(lambda *a: calls.append(1) or original(*a)))
     model.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_(x.is_floating_point())
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext()
-    with ctx:
-        y = checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
-    y.backward(torch.ones_like(y) if d_y is None else d_y)
+    with dora_settings.override(one_node_branch=one_node):
+        with ctx:
+            y = checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
+        y.backward(torch.ones_like(y) if d_y is None else d_y)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return y.detach(), x.grad, grads, len(calls)
 
@@ -636,7 +635,7 @@ def test_one_node_branch_frozen_parts_zero_tokens_and_broadcast_gradient(monkeyp
     assert all(torch.count_nonzero(g) == 0 for g in g1.values()) and len(g1) == 4
 
 
-def test_one_node_branch_saves_no_copy_of_b(monkeypatch):
+def test_one_node_branch_saves_no_copy_of_b(dora_switches, monkeypatch):
     """Under autocast the separate nodes save bf16 copies of A and B for their backward; with lora_B inside the
     output's node only A's copy is saved (by lora_A's matmul), with x, a = x·Aᵀ and y. Its backward refuses a B
     changed in place after the forward."""
@@ -646,7 +645,7 @@ def test_one_node_branch_saves_no_copy_of_b(monkeypatch):
     x = torch.randn(5, 24, dtype=torch.bfloat16, requires_grad=True)
     shapes = {}
     for one_node in (True, False):
-        monkeypatch.setattr(dora, "_ONE_NODE_BRANCH", one_node)
+        dora_switches(one_node_branch=one_node)
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -657,7 +656,7 @@ def test_one_node_branch_saves_no_copy_of_b(monkeypatch):
     activations = [(5, 24), (5, 6), (5, 40), (5, 40), (5, 6), (5, 33)]  # x, a, y per layer
     assert sorted(shapes[True]) == sorted(base_weights + a_copies + activations)
     assert sorted(shapes[False]) == sorted(shapes[True] + [(6, 40), (6, 33)])  # plus Bᵀ of both layers
-    monkeypatch.setattr(dora, "_ONE_NODE_BRANCH", True)
+    dora_switches(one_node_branch=True)
     y = model(x.float())
     with torch.no_grad():
         model.base_model.model[0].lora_B["default"].weight.add_(1.0)

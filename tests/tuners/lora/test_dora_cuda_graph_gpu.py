@@ -16,11 +16,11 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("norm_cache", [None, "1"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_dora_forward_replays_from_a_cuda_graph(dora_env, monkeypatch, norm_cache, dtype):
+def test_dora_forward_replays_from_a_cuda_graph(dora_switches, dora_env, monkeypatch, norm_cache, dtype):
     dora_env("PEFT_DORA_NORM_CACHE", norm_cache)
     # a capture takes the kernel, not the decode-size PyTorch path; eager forwards here do too, for bitwise checks
     monkeypatch.setattr(dora, "_SMALL_FORWARD_NUMEL", 0)
-    monkeypatch.setattr(dora, "_DECODE_KERNELS", False)  # nor the decode launches (their own matmuls)
+    dora_switches(decode_kernels=False)  # nor the decode launches (their own matmuls)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 384), nn.GELU(), nn.Linear(384, 200)).to("cuda", dtype)
     config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=16)

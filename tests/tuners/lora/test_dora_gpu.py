@@ -272,7 +272,7 @@ def test_decode_kernels_match_twin(tokens, d_in, rank, d_out, mode, bias):
     assert err <= 1.5 * err_twin + 0.5 * want.abs().max() * torch.finfo(dtype).eps, (err, err_twin)
 
 
-def test_decode_tier_in_generation_matches_matmul_path(monkeypatch):
+def test_decode_tier_in_generation_matches_matmul_path(dora_switches, monkeypatch):
     """A DoRA Linear in eval decodes one token through the two launches, with the same output as the matmul path
     (within the rounding of sums in another order), also on the next steps, whose launches go direct."""
     torch.manual_seed(0)
@@ -290,7 +290,7 @@ def test_decode_tier_in_generation_matches_matmul_path(monkeypatch):
         x2 = torch.randn_like(x)
         again, out2 = model(x), model(x2)
         assert slot.plan is plan and torch.equal(again, out)
-        monkeypatch.setattr(dora, "_DECODE_KERNELS", False)
+        dora_switches(decode_kernels=False)
         ref, ref2 = model(x), model(x2)
     assert_close(out, ref, dtype=torch.bfloat16)
     assert_close(out2, ref2, dtype=torch.bfloat16)

@@ -262,11 +262,11 @@ def test_lora_branch_skips_module_calls_only_where_nothing_can_see_them(monkeypa
     assert not dora._plain_linear(MyLinear(2, 2))
 
 
-def test_small_forward_matches_the_fused_composition_and_follows_a_new_magnitude(monkeypatch):
+def test_small_forward_matches_the_fused_composition_and_follows_a_new_magnitude(dora_switches, monkeypatch):
     """Eval-mode decode path (g·(result + s·lora) with cached g) against the eager composition, with and without a
     bias, and after the magnitude changes in place."""
     monkeypatch.setattr(dora.dora_fused, "kernels_available", lambda t: True)  # the small path needs no kernel
-    monkeypatch.setattr(dora, "_DECODE_KERNELS", False)  # (the decode launches do)
+    dora_switches(decode_kernels=False)  # (the decode launches do)
     for bias in (True, False):
         model = _one_linear()
         layer = model.base_model.model[0]

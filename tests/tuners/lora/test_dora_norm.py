@@ -188,3 +188,17 @@ def test_launch_count_of_a_one_chunk_norm():
         factored_row_norm(weight, lora_A, lora_B, 0.5)
     kernels = [str(f) for f, _, _ in rec.calls if not f.is_view]  # views launch nothing
     assert len(kernels) <= 12, kernels
+
+
+def test_settings_override_outlives_a_reset_and_restores(dora_env):
+    """``dora_settings.override``: the fields hold inside the block, also after the environment is re-read, and are
+    gone after it; an unknown name is an error."""
+    from peft.tuners.lora import dora_settings
+
+    with dora_settings.override(decode_kernels=False):
+        dora_env("PEFT_DORA_FUSED", "0")
+        assert dora._env().decode_kernels is False and dora._env().fused is False
+    assert dora._env().decode_kernels is True and dora._env().fused is False
+    with pytest.raises(TypeError, match="bogus"):
+        with dora_settings.override(bogus=1):
+            pass
