@@ -156,3 +156,22 @@ def test_merge_keeps_a_paired_decode_run_beside_the_main_run():
     merged = bench_model.merge_docs([main, paired, newer_paired])  # a newer paired run replaces the older one only
     assert [r["pair_ratios"] for r in merged["speed"] if "pair_ratios" in r] == [[0.99, 0.97]]
     assert len(merged["speed"]) == 3
+
+
+def test_compare_report_names_the_tier_that_ran():
+    """benchmarks/compare.py: times and ratios per mode and measure, and a label that says when only the eager tier
+    ran (a CPU run is not reported as fused)."""
+    import compare
+
+    def rec(impl, measure, ms, tiers=None):
+        return {"impl": impl, "mode": "autocast", "rank": 16, "measure": measure, "median_ms": ms, "tiers": tiers or {}}
+
+    cfg = {"model": {"config_kwargs": {"hidden_size": 2048, "num_hidden_layers": 4}, "seq": 1024, "batch": 1},
+           "ranks": [16], "modes": ["autocast"], "measures": ["train", "infer"]}  # fmt: skip
+    speed = [rec("upstream", "train", 30.0), rec("ours_fused", "train", 12.0, {"eager": 56}), rec("lora", "train", 10.0)]
+    doc = {"config": cfg, "env": {"gpu": "NVIDIA H200"}, "speed": speed, "errors": []}
+    text = compare.report(doc)
+    assert "autocast train" in text and "1.200" in text and "2.50" in text and "infer" not in text.split("\n", 3)[3]
+    assert "eager tier only" in text
+    speed[1]["tiers"] = {"fused_backward": 56, "norm_computed": 56}
+    assert "ours (tiers: fused_backward)" in compare.report(doc)
