@@ -44,12 +44,13 @@ from .dora_norm import (
     _eps_for,
     _magnitude_scale,
     _norm_graph_applies,
-    _norm_kernel_applies,
     _reuse_mode,
     compiled_weight_norm,
     factored_conv_norm,
     row_sq_norm,
+    w_sq_reusable,
 )
+from .dora_norm import _norm_kernel_applies as _norm_kernel_applies  # tests reach it here
 from .dora_norm import _split_norm_applies as _split_norm_applies  # tests and callers reach it here
 from .dora_norm import factored_row_norm as factored_row_norm  # public here, as documented
 from .dora_settings import _MB, _env
@@ -362,7 +363,7 @@ class DoraLinearLayer(nn.Module):
     def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
         w_sq = None
         w = transpose(weight, self.fan_in_fan_out)
-        if not weight.requires_grad and _env().norm_cache is not False and not _norm_kernel_applies(w, lora_A, lora_B):
+        if not weight.requires_grad and w_sq_reusable(w, lora_A, lora_B):
             # a frozen W keeps its ||W||²_row across optimizer steps (they skip it): only cross and Gram are new
             w_sq = memoised(self._w_sq_memo, "any", "w_sq", (weight,), lambda: row_sq_norm(w))
 

@@ -144,10 +144,12 @@ class StorageMemo(Memo):
             ],
         )
 
+    def dead(self) -> bool:
+        """Nothing kept, or a storage it was computed from is gone."""
+        return self.value is None or any(ref.expired() for ref in self.refs)
+
     def get(self, tensors, extra=()) -> Optional[torch.Tensor]:
-        if self.value is None or any(ref.expired() for ref in self.refs):
-            return None
-        return self.value if self._key(tensors, extra) == self.key else None
+        return None if self.dead() or self._key(tensors, extra) != self.key else self.value
 
     def put(self, tensors, value: torch.Tensor, extra=()) -> torch.Tensor:
         self.refs = tuple(StorageWeakRef(t.untyped_storage()) for t in tensors)
@@ -166,7 +168,7 @@ def storage_memo(what: str, tensors, frozen: bool = False) -> StorageMemo:
     memo = _storage_memos.get(key)
     if memo is None:
         if len(_storage_memos) >= _STORAGE_MEMOS_MAX:
-            for k in [k for k, m in _storage_memos.items() if m.value is None or any(r.expired() for r in m.refs)]:
+            for k in [k for k, m in _storage_memos.items() if m.dead()]:
                 del _storage_memos[k]
         memo = _storage_memos[key] = StorageMemo(frozen)
     return memo

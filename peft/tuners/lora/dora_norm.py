@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import dora_fused, dora_norm_triton
-from .dora_cache import capturing, identity_tracked, norm_counts, storage_memo
+from .dora_cache import capturing, identity_tracked, memoised, storage_memo
 from .dora_launch import _INTERPRET
 from .dora_settings import _env, get_dora_norm_threshold_bytes
 
@@ -243,7 +243,14 @@ def _reuse_mode(layer: nn.Module, factors=()) -> Optional[str]:
     return "recompute"
 
 
-_REUSE_CODES = {None: 0, "recompute": 1, "any": 2}
+_REUSE_MODES = (None, "recompute", "any")  # the op's int argument: an index into this
+_REUSE_CODES = {mode: code for code, mode in enumerate(_REUSE_MODES)}
+
+
+def w_sq_reusable(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
+    """Whether a frozen ``W`` (optimizers skip it) keeps its ``||W||²_row`` across forwards: not with
+    PEFT_DORA_NORM_CACHE=0, and not where the one-pass kernel reads ``W`` once for every term anyway."""
+    return _env().norm_cache is not False and not _norm_kernel_applies(weight, lora_A, lora_B)
 
 
 @torch.library.custom_op("peft::dora_weight_norm", mutates_args=())
@@ -260,27 +267,19 @@ def _weight_norm_op(
     graph may reuse as scratch space. Nothing is kept on a side stream (see ``_on_default_stream``).
     """
     sources = (weight, lora_A, lora_B)
-    keep = reuse != 0 and _on_default_stream(weight) and not capturing(sources)
-    keep = keep and not any(t.is_inference() for t in sources)
-    memo = storage_memo("norm", sources) if keep else None
-    if keep and (reuse == 2 or torch._C._current_graph_task_id() != -1):
-        hit = memo.get(sources, scale)
-        if hit is not None:
-            norm_counts["norm_reused"] += 1
-            return hit.clone()
-    w_sq = None
-    if frozen and keep and _env().norm_cache is not False and not _norm_kernel_applies(weight, lora_A, lora_B):
-        w_memo = storage_memo("w_sq", (weight,), frozen=True)
-        w_sq = w_memo.get((weight,))
-        norm_counts["w_sq_computed" if w_sq is None else "w_sq_reused"] += 1
-        if w_sq is None:
-            w_sq = w_memo.put((weight,), row_sq_norm(weight))
-    norm_counts["norm_computed"] += 1
-    value = factored_row_norm(weight, lora_A, lora_B, scale, w_sq=w_sq)
-    if not keep:
-        return value
-    memo.put(sources, value, scale)
-    return value.clone()
+    keep = _on_default_stream(weight) and not any(t.is_inference() for t in sources)  # no version counters
+    mode = _REUSE_MODES[reuse] if keep else None
+
+    def compute() -> torch.Tensor:
+        w_sq = None
+        if frozen and mode is not None and w_sq_reusable(weight, lora_A, lora_B):
+            w_memo = storage_memo("w_sq", (weight,), frozen=True)
+            w_sq = memoised(w_memo, "any", "w_sq", (weight,), lambda: row_sq_norm(weight))
+        return factored_row_norm(weight, lora_A, lora_B, scale, w_sq=w_sq)
+
+    if mode is None:
+        return compute()
+    return memoised(storage_memo("norm", sources), mode, "norm", sources, compute, extra=scale).clone()
 
 
 def _on_default_stream(t: torch.Tensor) -> bool:
