@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from timing import loop_us
 
+from peft.tuners.lora import dora_dispatch as dispatch
 from peft.tuners.lora import dora_fused as F
 
 
@@ -62,7 +63,7 @@ def bench_shape(tokens, d_out, dtype):
     out, inner = F.fused_dora_forward_and_inner(lora, base, g, 0.5)
     rows = {
         "compose_fused": (lambda: F.fused_dora_compose(lora, base, g, 0.5, inplace=False), 3),
-        "compose_eager": (lambda: F._compose_torch(lora, base, g, 0.5), 3),
+        "compose_eager": (lambda: F.compose_torch(lora, base, g, 0.5), 3),
         "fwd_inner_fused": (lambda: F.fused_dora_forward_and_inner(lora, base, g, 0.5), 4),
         "fwd_inner_eager": (lambda: F._forward_and_inner_torch(lora, base, g, 0.5), 4),
         "backward_fused": (lambda: F._fused_backward(d_out_t, inner, g, 0.5, True, True, True), 4),
@@ -93,14 +94,14 @@ def bench_crossover():
                 F.FusedDoRAComposeFunction.apply(lora, base, g, 0.5).backward(d)
 
             def eager():
-                F._compose_torch(lora, base, g, 0.5).backward(d)
+                F.compose_torch(lora, base, g, 0.5).backward(d)
 
             tf, te = _time(fused, reps=30, warmup=5), _time(eager, reps=30, warmup=5)
             rows.append({"tokens": tokens, "d_out": d_out, "numel": tokens * d_out, "fused": tf, "eager": te,
                          "fused_faster": tf["median_ms"] <= te["median_ms"]})  # fmt: skip
     losing = [r["numel"] for r in rows if not r["fused_faster"]]
     return {"rows": rows, "smallest_numel_where_fused_always_wins": (max(losing) + 1) if losing else 0,
-            "threshold_in_code": F._BACKWARD_CROSSOVER_NUMEL}  # fmt: skip
+            "threshold_in_code": dispatch.BACKWARD_CROSSOVER_NUMEL}  # fmt: skip
 
 
 def host_us(fn, calls=3000):
@@ -120,7 +121,7 @@ def bench_host_overhead():
         "fused_compose_inplace": lambda: F.fused_dora_compose(lora, base, g, 0.5, inplace=True),
         "fused_forward_and_inner": lambda: F.fused_dora_forward_and_inner(lora, base, g, 0.5),
         "fused_backward": lambda: F._fused_backward(d, base, g, 0.5, True, True, True),
-        "eager_compose": lambda: F._compose_torch(lora, base, g, 0.5),
+        "eager_compose": lambda: F.compose_torch(lora, base, g, 0.5),
     }
     return {name: host_us(fn) for name, fn in cases.items()}
 

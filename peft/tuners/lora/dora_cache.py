@@ -12,8 +12,9 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """Reuse of DoRA norms: the norm depends only on W, A, B and s, which change at optimizer steps and merges, not per
-forward. A value is reused only while PyTorch can prove its inputs unchanged (see ``Memo``); ``dora.py`` decides
-when reuse is allowed at all (``PEFT_DORA_NORM_CACHE``)."""
+forward. A value is reused only while PyTorch can prove its inputs unchanged (``Memo``, ``memoised``); what a layer
+keeps, and which of it wins, is :class:`LayerReuse`; when reuse is allowed at all is ``dora_norm.reuse_mode``
+(``PEFT_DORA_NORM_CACHE``)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .dora_graph import NormGraph, same_objects
 
 
 norm_counts: collections.Counter = collections.Counter()
@@ -174,17 +177,6 @@ def storage_memo(what: str, tensors, frozen: bool = False) -> StorageMemo:
     return memo
 
 
-def same_objects(refs: tuple, tensors) -> bool:
-    """Whether the weak references ``refs`` point at exactly these tensor objects, in order (a loop: cheaper than
-    ``all()`` over a generator on the per-forward path)."""
-    if len(refs) != len(tensors):
-        return False
-    for ref, t in zip(refs, tensors):
-        if ref() is not t:
-            return False
-    return True
-
-
 def source(t: torch.Tensor) -> torch.Tensor:
     """The tensor that owns a view's storage (the parameter behind ``lora_embedding_A.T``), else ``t`` itself."""
     return t if t._base is None else t._base
@@ -226,3 +218,49 @@ def capturing(sources) -> bool:
     """Whether a CUDA graph is being captured on the current stream. A capture computes afresh: its replays must
     follow later in-place updates of the factors, as eager forwards do."""
     return sources[0].is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class LayerReuse:
+    """Everything one DoRA layer keeps across forwards, and which of it wins. The norm of a forward is, in order:
+
+    1. under torch.compile: ``peft::dora_weight_norm`` (``dora_norm``), which keeps its values by storage
+       (:class:`StorageMemo`); nothing below is read or written;
+    2. ``norm``: the previous norm, where ``dora_norm.reuse_mode`` allows reuse and W, A, B and s provably hold;
+    3. ``caching``: ``ENABLE_DORA_CACHING`` (``peft.helpers.DoraCaching``) in eval mode, per adapter, kept until
+       ``train()`` whatever happens to the weights (upstream's semantics);
+    4. ``graph``: a training norm replayed as a CUDA graph (``dora_graph``), which reads the tensors' current values;
+    5. computed afresh, with ``w_sq``: ``||W||²`` of a frozen W, kept across optimizer steps (a merge ends it).
+
+    Downstream of the norm, each keyed on the tensors it came from, so a new norm ends it: ``scale`` (g = m / norm,
+    without autograd), ``factors`` (g and (1 − g)·bias for the decode and small tiers, with ``rows``, their rows as
+    views) and ``decode`` (the latest decode step's launches, a ``dora_decode.DecodePlan``). Beside them
+    ``zero_free``: whether m has no exact zero (a host sync, so asked once per value of m), which lets the training
+    output nodes read ``inner`` back from their output. ``clear`` forgets all of it; copies and pickles of a layer
+    start empty.
+    """
+
+    __slots__ = ("norm", "w_sq", "scale", "factors", "rows", "caching", "graph", "decode", "zero_free")
+
+    def __init__(self) -> None:
+        self.norm, self.scale, self.factors, self.zero_free = Memo(), Memo(), Memo(), Memo()
+        self.w_sq = Memo(frozen=True)  # a frozen W takes no optimizer steps
+        self.caching: dict = {}
+        self.graph = NormGraph()
+        self.rows: tuple = ()
+        self.decode = None
+
+    def clear(self, graph: bool = True) -> None:
+        """Forget every kept value (``graph=False`` keeps the norm graph, which reads current values anyway)."""
+        for memo in (self.norm, self.w_sq, self.scale, self.factors, self.zero_free):
+            memo.clear()
+        if self.caching:  # clearing an empty dict is still a mutation to Dynamo (a graph break under checkpoint)
+            self.caching.clear()
+        self.rows, self.decode = (), None
+        if graph:
+            self.graph.clear()
+
+    def __deepcopy__(self, memo):
+        return LayerReuse()
+
+    def __reduce__(self):
+        return (LayerReuse, ())

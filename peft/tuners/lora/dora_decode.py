@@ -16,7 +16,7 @@
 A decode step with a KV cache feeds each projection one token per sequence; the GPU finishes each op long before
 the host has issued the next, so the step costs what the host spends issuing it. For a DoRA Linear in inference the
 host issued ``F.linear(x, A)``, ``F.linear(a, B)`` and two in-place composition ops with the reused scale
-(``DoraLinearLayer._small_output``): on the H200 machine each cuBLAS call cost ~17 µs of host time and each
+(the ``small_forward`` tier): on the H200 machine each cuBLAS call cost ~17 µs of host time and each
 elementwise op ~6 µs. Here, for at most :data:`MAX_TOKENS` rows,
 
 * :func:`_decode_a_kernel`: ``a = x·Aᵀ`` in the compute dtype (autocast's, or the tensors' own), each product of
@@ -34,17 +34,17 @@ from typing import Optional
 
 import torch
 
-from .dora_fused import _row_stride
-from .dora_launch import _HAS_TRITON
+from .dora_dispatch import DECODE_MAX_ROWS as MAX_TOKENS
+from .dora_dispatch import row_stride
+from .dora_launch import HAS_TRITON
 from .dora_launch import cdiv as _cdiv
 from .dora_launch import next_pow2 as _next_pow2
 
 
-MAX_TOKENS = 8  # rows per decode launch; more rows take the matmul path
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT32 = 2**31
 
-if _HAS_TRITON:
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
@@ -145,7 +145,7 @@ def decode_layout(x, result, weight_a, weight_b) -> Optional[tuple[int, int, tor
     device = result.device
     if x.device != device or weight_a.device != device or weight_b.device != device:
         return None
-    stride_x, stride_result = _row_stride(x), _row_stride(result)
+    stride_x, stride_result = row_stride(x), row_stride(result)
     if stride_x is None or stride_result is None or max(stride_x, stride_result) * MAX_TOKENS >= _INT32:
         return None
     return stride_x, stride_result, dtype
@@ -166,9 +166,9 @@ class DecodePlan:
     """The two launches of :func:`decode_output` for one signature: grids, block sizes and integer arguments fixed,
     the ``[rows, r]`` buffer for ``a`` allocated once, and (after the first call) Triton's compiled kernels called
     directly (the token ``Launcher.launch`` returns, then ``Launcher.repeat``), so a repeated decode step skips the
-    layout checks, the launch signatures and one allocation. A layer keeps one, valid while :func:`plan_key` of its
-    inputs (which includes the stream: the buffer is reused in stream order) and its reused factors tensor
-    (``factors``, by identity) hold."""
+    layout checks, the launch signatures and one allocation. A layer keeps one (``dora_cache.LayerReuse.decode``),
+    valid while :func:`plan_key` of its inputs (which includes the stream: the buffer is reused in stream order) and
+    its reused factors tensor (``factors``, by identity) hold."""
 
     __slots__ = ("key", "factors", "contiguous", "weight_a", "weight_b", "a", "ints_a", "ints_out", "grid_a",
                  "grid_out", "meta_a", "meta_out", "token_a", "token_out")  # fmt: skip
@@ -209,22 +209,6 @@ class DecodePlan:
             _decode_a_kernel.repeat(self.token_a, self.grid_a, args_a, self.meta_a)
             _decode_out_kernel.repeat(self.token_out, self.grid_out, args_out, self.meta_out)
         return out
-
-
-class DecodeSlot:
-    """A layer's current :class:`DecodePlan` (``plan``, or None). Copies and pickles of a layer start empty: a plan
-    holds the layer's own tensors and Triton's compiled kernels."""
-
-    __slots__ = ("plan",)
-
-    def __init__(self) -> None:
-        self.plan = None
-
-    def __deepcopy__(self, memo):
-        return DecodeSlot()
-
-    def __reduce__(self):
-        return (DecodeSlot, ())
 
 
 def decode_output(x, result, weight_a, weight_b, factors, scale: float, layout, has_bias: bool) -> torch.Tensor:

@@ -33,12 +33,14 @@ and column slices (``x[..., a:b]``) run without copies. Offsets are int64 throug
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .dora_cache import _epoch as _norm_epoch
-from .dora_launch import _HAS_TRITON, _INTERPRET
+from .dora_cache import Memo
+from .dora_dispatch import KERNEL_DTYPES, compose_layout, kernels_available, output_layout, records_grad, row_stride
+from .dora_launch import HAS_TRITON
 from .dora_launch import cdiv as _cdiv
 from .dora_launch import next_pow2 as _next_pow2
 
@@ -55,14 +57,13 @@ __all__ = [
     "is_triton_available",
 ]
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CONTIGUOUS = torch.contiguous_format  # fresh buffers get contiguous rows whatever the template's strides
 
 # ---------------------------------------------------------------------------------------------------------------
 # Triton kernels.
 # ---------------------------------------------------------------------------------------------------------------
 
-if _HAS_TRITON:
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
@@ -233,146 +234,8 @@ if _HAS_TRITON:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Layout checks, launch policy and launchers.
+# Launch policy and launchers (which tensors the kernels take: dora_dispatch).
 # ---------------------------------------------------------------------------------------------------------------
-
-# Below this many activation elements the fused autograd path (forward + backward) does not reliably beat eager
-# PyTorch on the H200: both are host-bound there, and the Triton launches cost more host time than PyTorch's. bf16,
-# median ms per step, fused vs eager (benchmarks/results/bench_kernels.json, "crossover"): wins and losses alternate
-# up to 2^24 elements (1024 x 4096: 0.51 vs 0.46; 4096 x 4096: 0.48 vs 0.49); from 2^25 fused wins every time
-# (8192 x 4096: 0.42 vs 0.74; 32768 x 4096: 0.96 vs 2.67).
-_BACKWARD_CROSSOVER_NUMEL = 1 << 25
-
-
-def records_grad(*tensors: torch.Tensor) -> bool:
-    """Whether autograd records an op on these tensors: grad mode on and one of them requires grad."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def kernels_available(t: torch.Tensor) -> bool:
-    """True when the Triton kernels can run on ``t``'s device: CUDA with Triton, or any device under the interpreter."""
-    return _HAS_TRITON and (t.is_cuda or _INTERPRET)
-
-
-def _row_stride(t: torch.Tensor) -> int | None:
-    """Stride between rows when ``t`` reads as non-overlapping [rows, d_out] rows with unit column stride."""
-    if t.is_contiguous():  # the common case, without the walk over the strides below
-        return t.shape[-1] if t.dim() else None
-    if t.dim() <= 1:
-        return t.shape[0] if t.dim() == 1 else None
-    size, stride = t.shape, t.stride()
-    if size[-1] > 1 and stride[-1] != 1:
-        return None
-    row_stride = stride[-2] if size[-2] > 1 else size[-1]
-    expected = row_stride
-    for i in range(t.dim() - 2, -1, -1):
-        if size[i] > 1 and stride[i] != expected:
-            return None
-        expected *= size[i]
-    return row_stride if row_stride >= size[-1] else None
-
-
-def _layout(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> tuple[int, int] | None:
-    """(row stride of lora, row stride of base) when the kernels handle this layout, else None."""
-    if lora.shape != base.shape or lora.dtype != base.dtype or lora.dtype not in _KERNEL_DTYPES:
-        return None
-    if g.dtype not in _KERNEL_DTYPES or lora.device != base.device or g.device != lora.device or lora.dim() == 0:
-        return None
-    d_out = lora.shape[-1]
-    if g.numel() != d_out or g.shape[-1] != d_out or g.dim() > min(2, lora.dim()) or (d_out > 1 and g.stride(-1) != 1):
-        return None
-    stride_lora, stride_base = _row_stride(lora), _row_stride(base)
-    if stride_lora is None or stride_base is None:
-        return None
-    return stride_lora, stride_base
-
-
-def _output_layout(result, lora, bias, magnitude, weight_norm) -> tuple[int, int] | None:
-    """(row stride of result, row stride of lora) when the one-pass output kernel handles these tensors, else None.
-
-    ``lora`` is written in place, so it must own its storage (a fresh matmul output, not a view); ``magnitude`` is a
-    contiguous [d_out] vector, ``weight_norm`` fp32 of the same shape, ``bias`` absent or a frozen [d_out] vector.
-    """
-    layout = _layout(lora, result, magnitude)
-    if layout is None or lora._base is not None or not _output_operands(result, bias, magnitude, weight_norm):
-        return None
-    return layout[1], layout[0]
-
-
-def _output_operands(result, bias, magnitude, weight_norm) -> bool:
-    """The one-pass output's rules for its [d_out] operands, given a ``result`` that ``_layout`` accepts."""
-    if magnitude.dim() != 1 or not norm_operand(weight_norm, magnitude):
-        return False
-    return bias is None or _bias_operand(bias, magnitude, result.device)
-
-
-def _bias_operand(bias: torch.Tensor, magnitude: torch.Tensor, device: torch.device) -> bool:
-    """Whether the one-pass kernels read ``bias`` (subtracted from ``result`` as a constant): a frozen contiguous
-    vector shaped like ``magnitude``, in a kernel dtype, on ``device``."""
-    return (
-        bias.shape == magnitude.shape and bias.dtype in _KERNEL_DTYPES and bias.is_contiguous()
-        and bias.device == device and not bias.requires_grad
-    )  # fmt: skip
-
-
-def branch_node_stride(a, result, weight_b, magnitude, bias) -> int | None:
-    """``result``'s row stride where :class:`FusedDoRALinearFunction` takes these tensors, else None.
-
-    The node computes ``F.linear(a, B)`` as F.linear would: in ``a``'s dtype (autocast's, or B's own without
-    autocast), which ``result`` shares, with shapes that fit (F.linear's own errors come from the separate call
-    otherwise); its output is a fresh ``result``-shaped buffer, so ``result`` stands in for it in the kernels' layout
-    rules (:func:`_layout`, :func:`_output_operands`). One function on the per-forward path: the two checks it
-    replaced re-read the same attributes (a fifth of DoRA's host time over LoRA's per training forward, CPU
-    stand-in). The norm is checked separately (:func:`norm_operand`), once it exists."""
-    dtype = a.dtype
-    if dtype not in _KERNEL_DTYPES or result.dtype != dtype or weight_b.dim() != 2 or a.dim() == 0:
-        return None
-    if weight_b.dtype != dtype and (
-        weight_b.dtype not in _KERNEL_DTYPES or not torch.is_autocast_enabled(a.device.type)
-    ):
-        return None
-    d_out, rank = weight_b.shape
-    shape = result.shape
-    if a.shape[-1] != rank or shape[-1] != d_out or a.shape[:-1] != shape[:-1]:
-        return None
-    if magnitude.shape != (d_out,) or magnitude.dtype not in _KERNEL_DTYPES or (d_out > 1 and magnitude.stride(0) != 1):
-        return None
-    device = result.device
-    if magnitude.device != device or a.device != device:
-        return None
-    if bias is not None and not _bias_operand(bias, magnitude, device):
-        return None
-    return _row_stride(result)
-
-
-def norm_operand(weight_norm: torch.Tensor, magnitude: torch.Tensor) -> bool:
-    """Whether the one-pass kernels read ``weight_norm`` beside ``magnitude``: fp32, contiguous, same shape and
-    device."""
-    return (
-        weight_norm.dtype == torch.float32 and weight_norm.shape == magnitude.shape and weight_norm.is_contiguous()
-        and weight_norm.device == magnitude.device
-    )  # fmt: skip
-
-
-def output_supported(result, lora, bias, magnitude, weight_norm) -> bool:
-    """True when :func:`fused_dora_output` runs the kernels on these tensors (CUDA or the interpreter, supported
-    dtypes and layout); otherwise callers take the eager path."""
-    return kernels_available(lora) and _output_layout(result, lora, bias, magnitude, weight_norm) is not None
-
-
-def kernels_support(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> bool:
-    """True when the kernels handle this layout; the rest goes to the eager path.
-
-    ``lora`` and ``base`` must agree in shape, dtype and device and read as rows (unit column stride); ``g`` must be a
-    contiguous [d_out] or [1, d_out] vector, i.e. broadcast along the last dimension only (a Conv-style [1, C, 1, 1]
-    scales a middle dimension and is left to PyTorch).
-    """
-    return _layout(lora, base, g) is not None
-
-
-def above_backward_crossover(lora: torch.Tensor) -> bool:
-    """True when the fused backward beats eager for an activation of this size (H200 measurement, above)."""
-    return lora.numel() >= _BACKWARD_CROSSOVER_NUMEL
 
 
 @functools.lru_cache(maxsize=64)
@@ -419,7 +282,7 @@ def _column_sum_policy(bands_bucket: int) -> tuple[int, int]:
 
 
 def _compose_triton(lora, base, g, scale, out, inner=None, strides=None):
-    stride_lora, stride_base = strides or (_row_stride(lora), _row_stride(base))
+    stride_lora, stride_base = strides or (row_stride(lora), row_stride(base))
     n_cols = lora.shape[-1]
     n_rows = lora.numel() // n_cols
     block_m, block_n, warps = _policy(n_rows, n_cols)
@@ -440,7 +303,7 @@ def _backward_triton(
     in the kernel), the base gradient is that of ``result`` in the one-pass output (g·d_out) and the magnitude
     gradient is d_m rather than d_g; with ``from_output`` too, ``inner`` is the output y and d_m comes from
     (y - bias)·d_out. ``gs_out`` (fp32 [d_out]) receives g·s."""
-    stride_d_out, stride_inner = strides or (_row_stride(d_out), _row_stride(inner if needs_mag_grad else d_out))
+    stride_d_out, stride_inner = strides or (row_stride(d_out), row_stride(inner if needs_mag_grad else d_out))
     n_cols = d_out.shape[-1]
     n_rows = d_out.numel() // n_cols
     # `empty_like` rather than `empty(shape, dtype=, device=)`: a third of the host time (keyword parsing)
@@ -509,7 +372,7 @@ def _scale_factors(g: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
     return g.to(dtype), (g - 1).to(dtype)
 
 
-def _compose_torch(
+def compose_torch(
     lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor, scale: float, inplace: bool = False
 ) -> torch.Tensor:
     """(g - 1) * base + g * (s * lora), in the promoted dtype of lora and base; in place into lora if asked."""
@@ -565,7 +428,7 @@ def _output_torch(
     eager tier's ``result + compose(lora, base, g)``."""
     g = magnitude / weight_norm.clamp_min(eps)
     base = result if bias is None else result - bias
-    return result + _compose_torch(lora, base, g, scale)
+    return result + compose_torch(lora, base, g, scale)
 
 
 def _output_backward_torch(
@@ -634,25 +497,25 @@ class FusedDoRAComposeFunction(torch.autograd.Function):
         return d_lora, d_base, d_mag, None
 
 
-def _output_saves_itself(magnitude: torch.Tensor) -> bool:
+def _output_saves_itself(magnitude: torch.Tensor, known: Optional[Memo]) -> bool:
     """Whether the one-pass output's backward can take ``inner`` from the output itself: ``y - bias = g·inner``
     recovers it wherever g ≠ 0, i.e. wherever m ≠ 0.
 
     Saving y instead of a separate ``inner`` buffer costs nothing where the next op saves y anyway (the MLP's gate
     and up projections feed SiLU and a product, attention's value projection feeds SDPA) and the same memory
-    elsewhere. A magnitude with an exact zero keeps the ``inner`` buffer. The zero test is a host sync, so it runs
-    once per value of m: keyed on m's storage, version counter and the optimizer-step/merge epoch (an optimizer step
-    changes m once, then every micro-step and checkpoint recompute reuses the answer). During CUDA-graph capture,
-    where a sync is not allowed, the buffer is kept.
+    elsewhere. A magnitude with an exact zero keeps the ``inner`` buffer. The zero test is a host sync: a DoRA layer
+    passes its ``known`` memo (``dora_cache.LayerReuse.zero_free``), so the test runs once per value of m (an
+    optimizer step changes m once, then every micro-step and checkpoint recompute reuses the answer); without one it
+    runs every call. During CUDA-graph capture, where a sync is not allowed, the buffer is kept.
     """
     if magnitude.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
-    key = (magnitude.data_ptr(), magnitude._version, _norm_epoch[0])
-    known = getattr(magnitude, "_dora_no_zero", None)
-    if known is not None and known[0] == key:
-        return known[1]
+    hit = None if known is None else known.get((magnitude,))
+    if hit is not None:
+        return hit
     no_zero = bool(torch.count_nonzero(magnitude) == magnitude.numel())
-    magnitude._dora_no_zero = (key, no_zero)
+    if known is not None:
+        known.put((magnitude,), no_zero)
     return no_zero
 
 
@@ -683,10 +546,10 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, result, lora, magnitude, weight_norm, bias, scale, eps, strides):
-        """``strides``: :func:`_output_layout` of these tensors, which the caller has checked is not None."""
+    def forward(ctx, result, lora, magnitude, weight_norm, bias, scale, eps, strides, known=None):
+        """``strides``: ``dora_dispatch.output_layout`` of these tensors, which the caller has checked is not None."""
         needs_mag = ctx.needs_input_grad[2]
-        from_output = needs_mag and _output_saves_itself(magnitude)
+        from_output = needs_mag and _output_saves_itself(magnitude, known)
         inner = None
         if needs_mag and not from_output:
             inner = torch.empty_like(lora, memory_format=_CONTIGUOUS)
@@ -705,8 +568,8 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
         _check_version(magnitude, ctx.mag_version, "magnitude")
         needs_result, needs_lora, needs_mag = ctx.needs_input_grad[:3]
         if not (needs_result or needs_lora or needs_mag):
-            return None, None, None, None, None, None, None, None
-        layout = _layout(d_y, inner if needs_mag else d_y, magnitude) if kernels_available(d_y) else None
+            return None, None, None, None, None, None, None, None, None
+        layout = compose_layout(d_y, inner if needs_mag else d_y, magnitude) if kernels_available(d_y) else None
         needs = (needs_result, needs_lora, needs_mag)
         if layout is not None and d_y.numel() > 0:
             d_lora, d_result, d_mag = _backward_triton(
@@ -717,7 +580,7 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
             d_result, d_lora, d_mag = _output_backward_torch(
                 d_y, inner, magnitude, weight_norm, ctx.scale, ctx.eps, *needs, bias, ctx.from_output
             )
-        return d_result, d_lora, d_mag, None, None, None, None, None
+        return d_result, d_lora, d_mag, None, None, None, None, None, None
 
 
 class FusedDoRALinearFunction(torch.autograd.Function):
@@ -740,11 +603,12 @@ class FusedDoRALinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, result, a, weight_b, magnitude, weight_norm, bias, scale, eps, stride):
-        """``stride``: :func:`branch_node_stride` of these tensors, which the caller has checked is not None."""
+    def forward(ctx, result, a, weight_b, magnitude, weight_norm, bias, scale, eps, stride, known=None):
+        """``stride``: ``dora_dispatch.branch_node_stride`` of these tensors, which the caller has checked is not
+        None."""
         lora = F.linear(a, weight_b.to(a.dtype))
         needs_mag = ctx.needs_input_grad[3]
-        from_output = needs_mag and _output_saves_itself(magnitude)
+        from_output = needs_mag and _output_saves_itself(magnitude, known)
         inner = torch.empty_like(lora, memory_format=_CONTIGUOUS) if needs_mag and not from_output else None
         if lora.numel() > 0:
             strides = (stride, lora.shape[-1])  # F.linear's output is contiguous
@@ -769,7 +633,9 @@ class FusedDoRALinearFunction(torch.autograd.Function):
         if d_y.numel() > 0 and kernels_available(d_y):
             # autograd hands over a gradient of y's shape and dtype; y and inner are our own contiguous buffers, and
             # m's layout was checked in forward (its version since): only the gradient's strides are open
-            layout = (d_out, d_out) if d_y.is_contiguous() else _layout(d_y, saved if needs_mag else d_y, magnitude)
+            layout = (
+                (d_out, d_out) if d_y.is_contiguous() else compose_layout(d_y, saved if needs_mag else d_y, magnitude)
+            )
         gs = None  # g·s as a column [d_out, 1]: scales B's rows before d_a and d_B's rows after
         if layout is not None:
             gs = torch.empty((d_out, 1), dtype=torch.float32, device=d_y.device) if needs_branch else None
@@ -800,7 +666,7 @@ class FusedDoRALinearFunction(torch.autograd.Function):
                 d_b = torch.mul(d_b, gs)  # promoted to fp32 by gs
             else:
                 d_b = torch.mul(d_b, gs, out=torch.empty_like(weight_b))
-        return d_result, d_a, d_b, d_mag, None, None, None, None, None
+        return d_result, d_a, d_b, d_mag, None, None, None, None, None, None
 
 
 def _fused_backward(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad):
@@ -808,7 +674,7 @@ def _fused_backward(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, ne
     if not any(needs):
         return None, None, None
     # Zero tokens launch nothing: the twin returns empty gradients and a zero d_g.
-    layout = _layout(d_out, inner if needs_mag_grad else d_out, g) if kernels_available(d_out) else None
+    layout = compose_layout(d_out, inner if needs_mag_grad else d_out, g) if kernels_available(d_out) else None
     if layout is not None and d_out.numel() > 0:
         return _backward_triton(d_out, inner, g, scale, *needs, strides=layout)
     return _backward_torch(d_out, inner, g, scale, *needs)
@@ -855,7 +721,7 @@ _compose_op.register_autograd(_compose_op_backward, setup_context=_compose_op_se
 
 def is_triton_available() -> bool:
     """True if Triton can be imported (the kernels also need a CUDA tensor to run)."""
-    return _HAS_TRITON
+    return HAS_TRITON
 
 
 def fused_dora_compose(
@@ -870,9 +736,9 @@ def fused_dora_compose(
     """
     if torch.compiler.is_compiling():
         return torch.ops.peft.fused_dora_compose(lora, base, mag_norm_scale, float(scale))
-    layout = _layout(lora, base, mag_norm_scale) if kernels_available(lora) else None
+    layout = compose_layout(lora, base, mag_norm_scale) if kernels_available(lora) else None
     if layout is None:
-        return _compose_torch(lora, base, mag_norm_scale, scale, inplace=inplace)
+        return compose_torch(lora, base, mag_norm_scale, scale, inplace=inplace)
     out = lora if inplace else torch.empty(lora.shape, dtype=lora.dtype, device=lora.device)
     if lora.numel() == 0:
         return out
@@ -894,17 +760,24 @@ def fused_dora_output(
     is False."""
     strides = None
     if kernels_available(lora) and not torch.compiler.is_compiling():
-        strides = _output_layout(result, lora, bias, magnitude, weight_norm)
+        strides = output_layout(result, lora, bias, magnitude, weight_norm)
     if strides is None:
         return _output_torch(result, lora, bias, magnitude, weight_norm, scale, eps)
-    return _fused_output(result, lora, magnitude, weight_norm, scale, eps, bias, strides)
+    return run_fused_output(result, lora, magnitude, weight_norm, scale, eps, bias, strides)
 
 
-def _fused_output(result, lora, magnitude, weight_norm, scale, eps, bias, strides) -> torch.Tensor:
-    """:func:`fused_dora_output` on tensors whose :func:`_output_layout` (``strides``) the caller has taken."""
+def output_supported(result, lora, bias, magnitude, weight_norm) -> bool:
+    """True when :func:`fused_dora_output` runs the kernels on these tensors (CUDA or the interpreter, supported
+    dtypes and layout); otherwise it takes the eager path."""
+    return kernels_available(lora) and output_layout(result, lora, bias, magnitude, weight_norm) is not None
+
+
+def run_fused_output(result, lora, magnitude, weight_norm, scale, eps, bias, strides, known=None) -> torch.Tensor:
+    """:func:`fused_dora_output` on tensors whose ``dora_dispatch.output_layout`` (``strides``) the caller has
+    taken."""
     scale, eps = float(scale), float(eps)
     if records_grad(result, lora, magnitude):
-        return FusedDoRAOutputFunction.apply(result, lora, magnitude, weight_norm, bias, scale, eps, strides)
+        return FusedDoRAOutputFunction.apply(result, lora, magnitude, weight_norm, bias, scale, eps, strides, known)
     if lora.numel() > 0:
         _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, None, strides)
     return lora
@@ -914,7 +787,7 @@ def fused_dora_forward_and_inner(
     lora: torch.Tensor, base: torch.Tensor, mag_norm_scale: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(out, inner)`` with ``out`` as in :func:`fused_dora_compose` and ``inner = scale * lora + base``."""
-    layout = _layout(lora, base, mag_norm_scale) if kernels_available(lora) else None
+    layout = compose_layout(lora, base, mag_norm_scale) if kernels_available(lora) else None
     if layout is None or torch.compiler.is_compiling():
         return _forward_and_inner_torch(lora, base, mag_norm_scale, scale)
     out = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device)
@@ -935,9 +808,9 @@ def fused_norm_assembly(
     fused = (
         not torch.compiler.is_compiling()
         and kernels_available(w_norm_sq)
-        and w_norm_sq.dtype in _KERNEL_DTYPES
+        and w_norm_sq.dtype in KERNEL_DTYPES
         and all(
-            t.shape == w_norm_sq.shape and t.device == w_norm_sq.device and t.dtype in _KERNEL_DTYPES
+            t.shape == w_norm_sq.shape and t.device == w_norm_sq.device and t.dtype in KERNEL_DTYPES
             and t.is_contiguous()
             for t in (w_norm_sq, cross_term, ba_norm_sq)
         )

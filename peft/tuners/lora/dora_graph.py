@@ -37,8 +37,6 @@ from typing import Callable, Optional
 
 import torch
 
-from .dora_cache import same_objects
-
 
 graph_counts: collections.Counter = collections.Counter()
 """Norm graphs ``captured``, ``replayed`` and ``failed`` (a capture that raised; that key then stays eager)."""
@@ -57,6 +55,17 @@ def _pool_and_stream(index: int):
     if index not in _streams:
         _streams[index] = torch.cuda.Stream(device=index)
     return entry[0], entry[1], _streams[index]
+
+
+def same_objects(refs: tuple, tensors) -> bool:
+    """Whether the weak references ``refs`` point at exactly these tensor objects, in order (a loop: cheaper than
+    ``all()`` over a generator on the per-forward path)."""
+    if len(refs) != len(tensors):
+        return False
+    for ref, t in zip(refs, tensors):
+        if ref() is not t:
+            return False
+    return True
 
 
 def _key(tensors, extra) -> tuple:

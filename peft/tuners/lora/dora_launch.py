@@ -38,13 +38,13 @@ import os
 import torch
 
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Triton decides at decoration time whether a kernel is interpreted, so the variable is read once, at import; the
 # kernel modules (dora_fused, dora_norm_triton) take both flags from here.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _MAX_ENTRIES = 4096  # signatures kept per kernel; the cache is cleared (not evicted one by one) past this
 
-_direct = [_HAS_TRITON and not _INTERPRET]  # switched off for the process when a direct call fails
+_direct = [HAS_TRITON and not INTERPRET]  # switched off for the process when a direct call fails
 
 _TRITON_VERSION: tuple = ()
 if _direct[0]:

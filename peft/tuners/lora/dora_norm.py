@@ -14,7 +14,7 @@
 """DoRA's weight norm ``||W + s·B·A||_row``, factored: ``||W||²_row``, the cross term through ``U = W·Aᵀ`` and
 ``||B·A||²_row`` through the Gram ``G = A·Aᵀ`` – never a dense ``B·A`` – in fp32 under ``no_grad``; which of its
 implementations runs (PyTorch, the one-pass and split Triton norms, a CUDA graph), when a computed norm may be reused
-(``_reuse_mode``), and the norm as one opaque op under torch.compile (``peft::dora_weight_norm``)."""
+(``reuse_mode``), and the norm as one opaque op under torch.compile (``peft::dora_weight_norm``)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import dora_fused, dora_norm_triton
+from . import dora_norm_triton
 from .dora_cache import capturing, identity_tracked, memoised, storage_memo
-from .dora_launch import _INTERPRET
-from .dora_settings import _env, get_dora_norm_threshold_bytes
+from .dora_dispatch import records_grad
+from .dora_launch import INTERPRET
+from .dora_settings import current as settings
+from .dora_settings import get_dora_norm_threshold_bytes
 
 
-def _eps_for(dtype: torch.dtype) -> float:
+def eps_for(dtype: torch.dtype) -> float:
     return 1e-6 if dtype in (torch.float16, torch.bfloat16) else 1e-12
 
 
@@ -161,7 +163,7 @@ def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: tor
     take the norm (``_split_norm_applies``); PEFT_DORA_NORM_KERNEL=1 takes the kernel wherever it runs, 0 never (the
     PyTorch form), and PEFT_DORA_FUSED=0 turns it off with the other kernels.
     """
-    env = _env()
+    env = settings()
     if env.fused is False or env.norm_kernel is False:
         return False
     if env.norm_kernel is None and not (
@@ -177,18 +179,18 @@ def _split_norm_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torc
     training) where the PyTorch form below takes eleven, and the Gram and ``B·G`` on the tensor cores instead of
     fp32 SIMT GEMMs. Off with PEFT_DORA_FUSED=0 or PEFT_DORA_NORM_KERNEL=0 (the PyTorch form), and with
     PEFT_DORA_NORM_KERNEL=1 (the one-pass kernel takes every norm it can)."""
-    env = _env()
+    env = settings()
     if env.fused is False or env.norm_kernel is not None:
         return False
     return dora_norm_triton.split_norm_supported(weight, lora_A, lora_B)
 
 
-def _norm_graph_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
+def norm_graph_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
     """Whether a training norm is replayed as a CUDA graph (``dora_graph``): CUDA tensors of one device whose
     identity PyTorch tracks (not sharded, quantized or inference tensors), outside ``torch.compile`` and outside a
     graph capture of the caller's own; off with PEFT_DORA_NORM_GRAPH=0 or PEFT_DORA_FUSED=0."""
-    env = _env()
-    if env.norm_graph is False or env.fused is False or _INTERPRET or not weight.is_cuda:
+    env = settings()
+    if env.norm_graph is False or env.fused is False or INTERPRET or not weight.is_cuda:
         return False
     if lora_A.device != weight.device or lora_B.device != weight.device or torch.compiler.is_compiling():
         return False
@@ -224,21 +226,21 @@ def factored_conv_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch
     return norm
 
 
-def _magnitude_scale(magnitude: torch.Tensor, weight_norm: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+def magnitude_scale(magnitude: torch.Tensor, weight_norm: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
     """g = m / max(w_norm, eps) in fp32 (or wider), differentiable in m; eps depends on the weight's dtype."""
-    return magnitude / weight_norm.clamp_min(_eps_for(weight_dtype))
+    return magnitude / weight_norm.clamp_min(eps_for(weight_dtype))
 
 
-def _reuse_mode(layer: nn.Module, factors=()) -> Optional[str]:
+def reuse_mode(layer: nn.Module, factors=()) -> Optional[str]:
     """``"any"``: reuse norms across forwards; ``"recompute"``: only in a gradient-checkpoint recompute; None: never.
 
     With PEFT_DORA_NORM_CACHE unset, an eval-mode forward that autograd does not record through ``factors`` (W, A, B:
     generation, evaluation) reuses across forwards; a training forward reuses only in its own recompute.
     """
-    mode = _env().norm_cache
+    mode = settings().norm_cache
     if mode is False:
         return None
-    if mode or not (layer.training or dora_fused.records_grad(*factors)):
+    if mode or not (layer.training or records_grad(*factors)):
         return "any"
     return "recompute"
 
@@ -250,7 +252,7 @@ _REUSE_CODES = {mode: code for code, mode in enumerate(_REUSE_MODES)}
 def w_sq_reusable(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
     """Whether a frozen ``W`` (optimizers skip it) keeps its ``||W||²_row`` across forwards: not with
     PEFT_DORA_NORM_CACHE=0, and not where the one-pass kernel reads ``W`` once for every term anyway."""
-    return _env().norm_cache is not False and not _norm_kernel_applies(weight, lora_A, lora_B)
+    return settings().norm_cache is not False and not _norm_kernel_applies(weight, lora_A, lora_B)
 
 
 @torch.library.custom_op("peft::dora_weight_norm", mutates_args=())
@@ -261,7 +263,7 @@ def _weight_norm_op(
     reuse) instead of the traced PyTorch form, which under Inductor took up to twice a compiled LoRA step (H200,
     autocast, r = 16: the split A·Wᵀ became an fp32 GEMM) and recomputed what eager DoRA reuses.
 
-    ``reuse`` is ``_reuse_mode``'s answer at trace time (0 never, 1 in a checkpoint recompute, 2 across forwards);
+    ``reuse`` is ``reuse_mode``'s answer at trace time (0 never, 1 in a checkpoint recompute, 2 across forwards);
     ``frozen``: ``W`` takes no gradient, so its ``||W||²`` outlives optimizer steps. The graph passes aliases of the
     parameters, so values are kept by storage (``dora_cache.StorageMemo``); the op returns a copy, which the compiled
     graph may reuse as scratch space. Nothing is kept on a side stream (see ``_on_default_stream``).
@@ -300,7 +302,7 @@ def compiled_weight_norm(layer: nn.Module, weight, lora_A, lora_B, scale) -> tor
     takes them) through ``peft::dora_weight_norm``, with the reuse ``layer`` allows in this forward (none for
     sharded, quantized or inference tensors, as in eager forwards)."""
     sources = (weight, lora_A, lora_B)
-    reuse = _REUSE_CODES[_reuse_mode(layer, sources)] if identity_tracked(sources, inference=False) else 0
+    reuse = _REUSE_CODES[reuse_mode(layer, sources)] if identity_tracked(sources, inference=False) else 0
     return torch.ops.peft.dora_weight_norm(
         weight.detach(), lora_A.detach(), lora_B.detach(), float(scale), reuse, not weight.requires_grad
     )

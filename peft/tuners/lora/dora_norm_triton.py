@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from .dora_launch import _HAS_TRITON, _INTERPRET, device_switch
+from .dora_launch import HAS_TRITON, INTERPRET, device_switch
 from .dora_launch import cdiv as _cdiv
 from .dora_launch import next_pow2 as _next_pow2
 
@@ -48,7 +48,7 @@ _HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Triton kernels.
 # ---------------------------------------------------------------------------------------------------------------
 
-if _HAS_TRITON:
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
@@ -248,7 +248,7 @@ class _Config(NamedTuple):
 
 def _unsupported(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> str | None:
     """Why the kernels cannot take these tensors (None when they can); shape reasons start with 'shapes'."""
-    if not _HAS_TRITON:
+    if not HAS_TRITON:
         return "Triton is not installed"
     if torch.compiler.is_compiling():
         return "called under torch.compile"
@@ -264,7 +264,7 @@ def _unsupported(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tenso
         return f"shapes: rank and d_out must be >= 1, got r={r}, d_out={d_out}"
     if weight.device != lora_A.device or weight.device != lora_B.device:
         return f"tensors on different devices: {weight.device}, {lora_A.device}, {lora_B.device}"
-    if not (weight.is_cuda or (_INTERPRET and weight.device.type != "meta")):
+    if not (weight.is_cuda or (INTERPRET and weight.device.type != "meta")):
         return f"device {weight.device} (the kernels need CUDA, or TRITON_INTERPRET=1)"
     if any(t.dtype not in _KERNEL_DTYPES for t in (weight, lora_A, lora_B)):
         return f"dtypes {weight.dtype}, {lora_A.dtype}, {lora_B.dtype} (fp32, bf16 and fp16 only)"
@@ -306,7 +306,7 @@ def _dot_mode(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) 
     if lora_A.dtype == lora_B.dtype and lora_A.dtype in _HALF_DTYPES:
         # The interpreter multiplies bf16 tiles as their raw uint16 storage, so there the pair is upcast instead:
         # bf16 x bf16 products are exact in fp32, so "ieee" fp32 dots compute the same sums as the native ones.
-        if _INTERPRET and lora_A.dtype == torch.bfloat16:
+        if INTERPRET and lora_A.dtype == torch.bfloat16:
             return False, False, "ieee"
         return True, False, "ieee"  # PRECISION is unused on the native path; one fixed value avoids extra variants
     if weight.dtype == torch.float32:
@@ -314,7 +314,7 @@ def _dot_mode(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) 
     # Half W with fp32 (or mixed) adapters, PEFT's autocast default. One TF32 pass measured 1.1-1.3e-5 relative
     # error on the H200 for ||s·B·A|| = 0.1·||W|| (target 1e-5) and ran slowly in fp32 registers; bf16 hi/lo
     # pairs (three bf16 products) keep ~16 bits. The interpreter multiplies bf16 tiles wrongly: fp32 "ieee" there.
-    if _INTERPRET:
+    if INTERPRET:
         return False, False, "ieee"
     return False, True, "ieee"
 

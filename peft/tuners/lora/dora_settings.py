@@ -12,7 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """DoRA's runtime switches: the ``PEFT_DORA_*`` environment variables, read once into one frozen snapshot
-(``_env()``); ``_invalidate_fused_cache()`` is the one reset (tests, or after changing a variable at run time)."""
+(``current()``); ``_invalidate_fused_cache()`` is the one reset (tests, or after changing a variable at run time)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 
-_MB = 1 << 20
+MB = 1 << 20
 _NORM_CHUNK_MB_RANGE = (16, 65536)
 
 
@@ -84,7 +84,8 @@ _env_lock = threading.Lock()
 _overrides: dict = {}  # fields set by `override`, over what the environment says
 
 
-def _env() -> _DoraEnv:
+def current() -> _DoraEnv:
+    """The settings in force: the snapshot of ``PEFT_DORA_*`` (and ``override`` fields), read on first use."""
     snapshot = _env_snapshot  # one read of the global: the hot path takes no lock
     if snapshot is None:
         snapshot = _load_env()
@@ -137,9 +138,9 @@ def set_dora_norm_threshold_mb(mb: int) -> None:
 
 def get_dora_norm_threshold_mb() -> int:
     """The norm's working-set budget in MB."""
-    return _env().norm_chunk_mb
+    return current().norm_chunk_mb
 
 
 def get_dora_norm_threshold_bytes() -> int:
     """The norm's working-set budget in bytes."""
-    return _env().norm_chunk_mb * _MB
+    return current().norm_chunk_mb * MB

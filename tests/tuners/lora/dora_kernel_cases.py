@@ -8,6 +8,7 @@ import pytest
 import torch
 from dora_testing import assert_close
 
+from peft.tuners.lora import dora_dispatch as dispatch
 from peft.tuners.lora import dora_fused as F
 
 
@@ -33,7 +34,7 @@ def _inputs(tokens, d_out, dtype, seed=0):
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_compose_and_forward_inner(tokens, d_out, dtype):
     lora, base, g = _inputs(tokens, d_out, dtype)
-    expected = F._compose_torch(lora, base, g, SCALE)
+    expected = F.compose_torch(lora, base, g, SCALE)
     out = F.fused_dora_compose(lora, base, g, SCALE, inplace=False)
     assert out.dtype == dtype and out.shape == lora.shape
     assert_close(out, expected)
@@ -77,9 +78,9 @@ def test_strided_rows_and_3d():
     """A column slice (row stride > d_out) and a [batch, seq, d_out] activation run in the kernel, not the twin."""
     full = torch.randn(2, 9, 200)
     lora, base, g = full[..., 10:133], torch.randn(2, 9, 123), 1 + 0.01 * torch.randn(1, 123)
-    assert F.kernels_support(lora, base, g)
-    assert_close(F.fused_dora_compose(lora, base, g, SCALE, inplace=False), F._compose_torch(lora, base, g, SCALE))
-    expected = F._compose_torch(lora, base, g, SCALE)
+    assert dispatch.kernels_support(lora, base, g)
+    assert_close(F.fused_dora_compose(lora, base, g, SCALE, inplace=False), F.compose_torch(lora, base, g, SCALE))
+    expected = F.compose_torch(lora, base, g, SCALE)
     F.fused_dora_compose(lora, base, g, SCALE, inplace=True)
     assert_close(full[..., 10:133], expected)
 
@@ -105,7 +106,7 @@ def test_autograd_function_matches_twin_gradients():
     leaves = [t.clone().requires_grad_() for t in (lora, base, g)]
     ref_leaves = [t.clone().requires_grad_() for t in (lora, base, g)]
     F.fused_dora_compose_autograd(*leaves, SCALE).square().sum().backward()
-    F._compose_torch(*ref_leaves, SCALE).square().sum().backward()
+    F.compose_torch(*ref_leaves, SCALE).square().sum().backward()
     for a, b in zip(leaves, ref_leaves):
         assert_close(a.grad, b.grad)
 
@@ -283,6 +284,35 @@ def test_output_saves_itself_for_d_mag(bias):
         y2.backward(d_y)
 
 
+def test_layer_asks_for_zeros_in_m_once_per_value():
+    """A DoRA layer keeps the answer of the zero test (a host sync) per value of m: the same m answers from the memo,
+    an in-place zero in m is seen (version counter) and switches the node to a saved inner, with exact d_m."""
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import dora_settings
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        nn.Sequential(nn.Linear(24, 40)), LoraConfig(target_modules=["0"], use_dora=True, init_lora_weights=False, r=4)
+    )
+    layer = model.base_model.model[0].lora_magnitude_vector["default"]
+    x = torch.randn(5, 24)
+    model(x).sum().backward()
+    memo = layer._reuse.zero_free
+    assert memo.value is True
+    with torch.no_grad():
+        layer.weight[3] = 0.0
+    layer.weight.grad = None
+    model(x).sum().backward()
+    assert memo.value is False
+    fused_grad = layer.weight.grad.clone()
+    with dora_settings.override(fused=False):  # the eager tier's d_m for the same m
+        layer.weight.grad = None
+        model(x).sum().backward()
+    assert_close(fused_grad, layer.weight.grad, dtype=torch.float32)
+
+
 def test_output_with_a_zero_magnitude_keeps_inner():
     """m_j = 0 makes y_j = bias_j, so inner cannot be read back: a separate buffer is saved and d_m_j is exact. The
     zero test reruns when m changes (its version counter), so zeroing m in place switches the path."""
@@ -292,14 +322,14 @@ def test_output_with_a_zero_magnitude_keeps_inner():
     y, saved = _saved_activation_ptrs(
         lambda: F.fused_dora_output(result, lora.clone(), m, norm, SCALE, EPS, bias=b), (23, 130)
     )
-    assert saved == [y.data_ptr()] and m._dora_no_zero[1]
+    assert saved == [y.data_ptr()]
     with torch.no_grad():
         m[3] = 0.0
     zeroed = m.detach().clone()
     y, saved = _saved_activation_ptrs(
         lambda: F.fused_dora_output(result, lora.clone(), m, norm, SCALE, EPS, bias=b), (23, 130)
     )
-    assert len(saved) == 1 and saved[0] != y.data_ptr() and not m._dora_no_zero[1]
+    assert len(saved) == 1 and saved[0] != y.data_ptr()
     m.grad = None
     y.backward(d_y)
     want = _output_fp64(result, lora, b, zeroed, norm, d_y)
@@ -310,7 +340,7 @@ def test_output_with_a_zero_magnitude_keeps_inner():
 @pytest.mark.parametrize("path", ("small_forward", "decode"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_small_eval_forward_reuses_its_factors(dora_switches, dora_env, monkeypatch, dtype, path):
-    """Eval without autograd and few rows (decode): the decode kernels (up to dora_decode.MAX_TOKENS rows; switched
+    """Eval without autograd and few rows (decode): the decode kernels (up to dispatch.DECODE_MAX_ROWS rows; switched
     off here for the other path) or two in-place PyTorch ops on the LoRA output, with g and (1 − g)·bias kept from
     the first forward. Agrees with the eager tier like the kernel does, never goes stale, and steps aside for large
     inputs, training mode and PEFT_DORA_FUSED=0."""
@@ -351,8 +381,8 @@ def test_small_eval_forward_reuses_its_factors(dora_switches, dora_env, monkeypa
         ):
             change()
             assert_close(peft_model(x), eager(), dtype=dtype)
-        monkeypatch.setattr(dora, "_SMALL_FORWARD_NUMEL", 2 * 3 * 17 - 1)  # x is now "large" for both layers
-        monkeypatch.setattr(dora.dora_decode, "MAX_TOKENS", 2 * 3 - 1)
+        monkeypatch.setattr(dispatch, "SMALL_FORWARD_NUMEL", 2 * 3 * 17 - 1)  # x is now "large" for both layers
+        monkeypatch.setattr(dispatch, "DECODE_MAX_ROWS", 2 * 3 - 1)
         dora.tier_counts.clear()
         peft_model(x)
         assert dora.tier_counts[dora.TIER_FUSED_FORWARD] == 2 and dora.tier_counts[tier] == 0
@@ -449,7 +479,7 @@ def test_decode_layout_rejects_what_the_kernels_do_not_compute(case):
 
 def test_decode_tier_in_a_model_and_its_fallbacks(dora_switches, dora_env, monkeypatch):
     """A DoRA model in eval without autograd decodes through the two launches: same output as with them switched off
-    (matmuls and the small forward's ops), in autocast too; a hook on lora_A, autograd, more rows than MAX_TOKENS or
+    (matmuls and the small forward's ops), in autocast too; a hook on lora_A, autograd, more rows than the decode limit or
     a training-mode forward take the other paths."""
     from torch import nn
 
@@ -498,14 +528,14 @@ def test_decode_plan_is_reused_and_never_stale(dora_env):
     from torch import nn
 
     from peft import LoraConfig, get_peft_model
-    from peft.tuners.lora import dora, dora_settings
+    from peft.tuners.lora import dora_settings
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 40))
     config = LoraConfig(target_modules=["0"], use_dora=True, init_lora_weights=False, r=4)
     peft_model = get_peft_model(model, config).eval()
     layer = peft_model.base_model.model[0]
-    slot = layer.lora_magnitude_vector["default"]._decode
+    slot = layer.lora_magnitude_vector["default"]._reuse
 
     def fresh(x):
         with dora_settings.override(decode_kernels=False):
@@ -514,26 +544,26 @@ def test_decode_plan_is_reused_and_never_stale(dora_env):
     with torch.no_grad():
         x = torch.randn(1, 24)
         first = peft_model(x)
-        plan = slot.plan
+        plan = slot.decode
         assert plan is not None
-        assert torch.equal(peft_model(x), first) and slot.plan is plan
+        assert torch.equal(peft_model(x), first) and slot.decode is plan
         x2 = torch.randn(1, 24)  # new values, same layout: same plan
         assert_close(peft_model(x2), fresh(x2))
-        assert slot.plan is plan
+        assert slot.decode is plan
         for change in (
             lambda: layer.lora_B["default"].weight.mul_(1.5),
             lambda: layer.lora_magnitude_vector["default"].weight.add_(0.5),
         ):
             change()
             out = peft_model(x)
-            assert slot.plan is not plan
-            plan = slot.plan
+            assert slot.decode is not plan
+            plan = slot.decode
             assert_close(out, fresh(x))
         x3 = torch.randn(3, 24)
         assert_close(peft_model(x3), fresh(x3))
-        assert slot.plan is not plan and slot.plan.a.shape[0] == 3
+        assert slot.decode is not plan and slot.decode.a.shape[0] == 3
         twin = copy.deepcopy(peft_model)
-        assert twin.base_model.model[0].lora_magnitude_vector["default"]._decode.plan is None
+        assert twin.base_model.model[0].lora_magnitude_vector["default"]._reuse.decode is None
         assert_close(twin(x3), peft_model(x3))
 
 
@@ -639,7 +669,6 @@ def test_one_node_branch_saves_no_copy_of_b(dora_switches, monkeypatch):
     """Under autocast the separate nodes save bf16 copies of A and B for their backward; with lora_B inside the
     output's node only A's copy is saved (by lora_A's matmul), with x, a = x·Aᵀ and y. Its backward refuses a B
     changed in place after the forward."""
-    from peft.tuners.lora import dora
 
     model = _branch_model(False, d_in=24, d_out=40, r=6)
     x = torch.randn(5, 24, dtype=torch.bfloat16, requires_grad=True)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from peft import LoraConfig, get_peft_model
-from peft.tuners.lora import dora
+from peft.tuners.lora import dora, dora_dispatch
 
 
 pytestmark = pytest.mark.gpu
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 def test_dora_forward_replays_from_a_cuda_graph(dora_switches, dora_env, monkeypatch, norm_cache, dtype):
     dora_env("PEFT_DORA_NORM_CACHE", norm_cache)
     # a capture takes the kernel, not the decode-size PyTorch path; eager forwards here do too, for bitwise checks
-    monkeypatch.setattr(dora, "_SMALL_FORWARD_NUMEL", 0)
+    monkeypatch.setattr(dora_dispatch, "SMALL_FORWARD_NUMEL", 0)
     dora_switches(decode_kernels=False)  # nor the decode launches (their own matmuls)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 384), nn.GELU(), nn.Linear(384, 200)).to("cuda", dtype)

@@ -124,8 +124,8 @@ def test_autocast_norm_fp32_adapters_within_1e5(d_out, d_in, r, w_dtype, path, d
     if path == "torch":
         dora_env("PEFT_DORA_NORM_KERNEL", "0")
     weight, lora_A, lora_B = _adapter(d_out, d_in, r, w_dtype, torch.float32, ratio=0.1, seed=5)
-    assert not dora._norm_kernel_applies(weight, lora_A, lora_B)  # never the one-pass kernel here
-    assert dora._split_norm_applies(weight, lora_A, lora_B) == (path == "split")
+    assert not dora.dora_norm._norm_kernel_applies(weight, lora_A, lora_B)  # never the one-pass kernel here
+    assert dora.dora_norm._split_norm_applies(weight, lora_A, lora_B) == (path == "split")
     rel = _max_rel(dora.factored_row_norm(weight, lora_A, lora_B, SCALE), _reference(weight, lora_A, lora_B, SCALE))
     print(f"autocast norm ({path}) {w_dtype} {d_out}x{d_in} r={r}: max rel err {rel:.3e}")
     assert rel <= 1e-5, rel

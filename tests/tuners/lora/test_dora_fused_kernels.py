@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from peft.tuners.lora import dora_dispatch as dispatch
 from peft.tuners.lora import dora_fused as F
 
 
@@ -54,17 +55,17 @@ def test_model_parity_with_upstream_under_interpreter():
 )
 def test_kernels_support_broadcast_rule(lora_shape, g_shape, ok):
     lora, base = torch.randn(lora_shape), torch.randn(lora_shape)
-    assert F.kernels_support(lora, base, torch.rand(g_shape)) is ok
+    assert dispatch.kernels_support(lora, base, torch.rand(g_shape)) is ok
 
 
 def test_kernels_support_layout_rules():
     x, g = torch.randn(6, 8), torch.rand(8)
-    assert not F.kernels_support(x.t().contiguous().t(), x, g)  # column-major
-    assert not F.kernels_support(x, x.half(), g)  # mixed activation dtypes
-    assert not F.kernels_support(x.double(), x.double(), g)  # fp64 stays in PyTorch
-    assert not F.kernels_support(x, x, torch.rand(16)[::2])  # strided g
-    assert not F.kernels_support(x[:, None, :].expand(6, 3, 8), torch.randn(6, 3, 8), g)  # overlapping rows
-    assert F.kernels_support(torch.randn(6, 20)[:, 4:12], x, g)  # a column slice reads as rows
+    assert not dispatch.kernels_support(x.t().contiguous().t(), x, g)  # column-major
+    assert not dispatch.kernels_support(x, x.half(), g)  # mixed activation dtypes
+    assert not dispatch.kernels_support(x.double(), x.double(), g)  # fp64 stays in PyTorch
+    assert not dispatch.kernels_support(x, x, torch.rand(16)[::2])  # strided g
+    assert not dispatch.kernels_support(x[:, None, :].expand(6, 3, 8), torch.randn(6, 3, 8), g)  # overlapping rows
+    assert dispatch.kernels_support(torch.randn(6, 20)[:, 4:12], x, g)  # a column slice reads as rows
 
 
 def _branch(tokens=5, rank=3, d_out=11, dtype=torch.bfloat16):
@@ -75,12 +76,12 @@ def _branch(tokens=5, rank=3, d_out=11, dtype=torch.bfloat16):
 
 def test_branch_node_stride_accepts_rows_and_returns_results_row_stride():
     a, result, b, m = _branch()
-    assert F.branch_node_stride(a, result, b, m, None) == 11
+    assert dispatch.branch_node_stride(a, result, b, m, None) == 11
     wide = torch.randn(2, 5, 16, dtype=torch.bfloat16)[..., :11]  # rows of a wider buffer
-    assert F.branch_node_stride(a, wide, b, m, None) == 16
-    assert F.branch_node_stride(a, result, b, m, torch.rand(11, dtype=torch.bfloat16)) == 11
+    assert dispatch.branch_node_stride(a, wide, b, m, None) == 16
+    assert dispatch.branch_node_stride(a, result, b, m, torch.rand(11, dtype=torch.bfloat16)) == 11
     with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 B computed in autocast's dtype
-        assert F.branch_node_stride(a, result, b.float(), m, None) == 11
+        assert dispatch.branch_node_stride(a, result, b.float(), m, None) == 11
 
 
 @pytest.mark.parametrize(
@@ -120,19 +121,19 @@ def test_branch_node_stride_rejects_what_the_node_cannot_compute(case):
         result = torch.randn(2, 11, 5, dtype=torch.bfloat16).transpose(1, 2)  # unit column stride missing
     elif case == "a_scalar":
         a = torch.tensor(1.0, dtype=torch.bfloat16)
-    assert F.branch_node_stride(a, result, b, m, bias) is None
+    assert dispatch.branch_node_stride(a, result, b, m, bias) is None
 
 
 def test_norm_operand_rules():
     m = torch.rand(11)
-    assert F.norm_operand(torch.rand(11), m)
-    assert not F.norm_operand(torch.rand(11, dtype=torch.float64), m)
-    assert not F.norm_operand(torch.rand(12), m)
-    assert not F.norm_operand(torch.rand(22)[::2], m)
+    assert dispatch.norm_operand(torch.rand(11), m)
+    assert not dispatch.norm_operand(torch.rand(11, dtype=torch.float64), m)
+    assert not dispatch.norm_operand(torch.rand(12), m)
+    assert not dispatch.norm_operand(torch.rand(22)[::2], m)
 
 
 def test_kernels_need_cuda_outside_the_interpreter():
-    assert F.kernels_available(torch.empty(1)) is (F._HAS_TRITON and F._INTERPRET)
+    assert F.kernels_available(torch.empty(1)) is (F.HAS_TRITON and dispatch.INTERPRET)
 
 
 def test_launch_policy_is_bucketed():
@@ -162,6 +163,6 @@ def test_compiled_autograd_entry_point_has_no_graph_break():
     out = torch.compile(f, fullgraph=True, backend="aot_eager")(lora, base, g)
     out.sum().backward()
     ref_leaves = [t.detach().clone().requires_grad_() for t in (lora, g)]
-    F._compose_torch(ref_leaves[0], base, ref_leaves[1], 0.5).sum().backward()
+    F.compose_torch(ref_leaves[0], base, ref_leaves[1], 0.5).sum().backward()
     torch.testing.assert_close(lora.grad, ref_leaves[0].grad)
     torch.testing.assert_close(g.grad, ref_leaves[1].grad)

@@ -13,6 +13,7 @@ from torch import nn
 
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import dora
+from peft.tuners.lora import dora_dispatch as dispatch
 from peft.tuners.lora import dora_fused as F
 
 
@@ -57,8 +58,8 @@ def test_random_kernels_match_twins(seed):
     lora, base, d_out_t, g, scale, dtype = _random_case(seed)
     if g.dim() > lora.dim():
         g = g.view(-1)
-    assert F.kernels_support(lora, base, g)
-    want = F._compose_torch(lora, base, g, scale)
+    assert dispatch.kernels_support(lora, base, g)
+    want = F.compose_torch(lora, base, g, scale)
     got = F.fused_dora_compose(lora, base, g, scale, inplace=False)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert_close(got, want, equal_nan=True)
@@ -93,7 +94,7 @@ def test_over_2_31_elements():
     out = torch.full_like(lora, float("nan"))
     F._compose_triton(lora, base, g, 0.5, out)
     for sl in (slice(0, 8), slice(rows - 8, rows), slice(rows // 2, rows // 2 + 8)):
-        assert_close(out[sl], F._compose_torch(lora[sl], base[sl], g, 0.5))
+        assert_close(out[sl], F.compose_torch(lora[sl], base[sl], g, 0.5))
     assert not out.isnan().any()
     d_lora, d_base, d_mag = F._fused_backward(base, lora, g, 0.5, True, True, True)
     tail = slice(rows - 8, rows)
@@ -280,16 +281,16 @@ def test_decode_tier_in_generation_matches_matmul_path(dora_switches, monkeypatc
     config = LoraConfig(r=64, lora_alpha=32, target_modules=["0"], use_dora=True, init_lora_weights=False)
     model = get_peft_model(base, config).to(torch.bfloat16).eval()
     x = torch.randn(1, 1, 512, device="cuda", dtype=torch.bfloat16)
-    slot = model.base_model.model[0].lora_magnitude_vector["default"]._decode
+    slot = model.base_model.model[0].lora_magnitude_vector["default"]._reuse
     with torch.no_grad():
         dora.tier_counts.clear()
         out = model(x)
         assert dora.tier_counts == {dora.TIER_DECODE: 1}
-        plan = slot.plan
+        plan = slot.decode
         assert plan.token_a is not None and plan.token_out is not None  # the next steps call the kernels directly
         x2 = torch.randn_like(x)
         again, out2 = model(x), model(x2)
-        assert slot.plan is plan and torch.equal(again, out)
+        assert slot.decode is plan and torch.equal(again, out)
         dora_switches(decode_kernels=False)
         ref, ref2 = model(x), model(x2)
     assert_close(out, ref, dtype=torch.bfloat16)
@@ -304,22 +305,22 @@ def test_decode_plan_follows_the_stream():
     base = nn.Sequential(nn.Linear(256, 512, bias=False)).cuda().to(torch.bfloat16)
     config = LoraConfig(r=32, lora_alpha=16, target_modules=["0"], use_dora=True, init_lora_weights=False)
     model = get_peft_model(base, config).to(torch.bfloat16).eval()
-    slot = model.base_model.model[0].lora_magnitude_vector["default"]._decode
+    slot = model.base_model.model[0].lora_magnitude_vector["default"]._reuse
     xs = [torch.randn(1, 256, device="cuda", dtype=torch.bfloat16) for _ in range(6)]
     side = torch.cuda.Stream()
     with torch.no_grad():
         alone = [model(x).clone() for x in xs]
-        plan = slot.plan
+        plan = slot.decode
         outs = []
         side.wait_stream(torch.cuda.current_stream())
         for i, x in enumerate(xs):
             if i % 2:
                 with torch.cuda.stream(side):
                     outs.append(model(x))
-                assert slot.plan is not plan
+                assert slot.decode is not plan
             else:
                 outs.append(model(x))
-            plan = slot.plan
+            plan = slot.decode
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
     for out, want in zip(outs, alone):

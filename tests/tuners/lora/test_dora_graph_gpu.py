@@ -126,7 +126,7 @@ def test_off_switch_and_eval_do_not_capture(graph_env, record_norm):
     _train(model, 3, True, x, gy)
     assert dora_graph.graph_counts["captured"] == 1
     model.eval()
-    assert _layer(model).lora_magnitude_vector["default"]._norm_graph.graph is None  # released on eval()
+    assert _layer(model).lora_magnitude_vector["default"]._reuse.graph.graph is None  # released on eval()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         for _ in range(3):
             model(x)

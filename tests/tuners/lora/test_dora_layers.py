@@ -10,7 +10,7 @@ from torch import nn
 
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from peft.helpers import DoraCaching
-from peft.tuners.lora import dora
+from peft.tuners.lora import dora, dora_dispatch
 
 
 MERGEABLE = ["linear", "gpt2_conv1d", "embedding", "scaled_embedding", "conv2d", "conv3d"]
@@ -111,7 +111,7 @@ def test_mixed_adapter_batch_is_refused_like_upstream(kind):
 
 
 def caches(model):
-    return [m._dora_cache for m in model.modules() if isinstance(m, dora.DoraLinearLayer)]
+    return [m._reuse.caching for m in model.modules() if isinstance(m, dora.DoraLinearLayer)]
 
 
 @pytest.mark.parametrize("kind", ["linear", "embedding", "conv2d"])
@@ -265,7 +265,7 @@ def test_lora_branch_skips_module_calls_only_where_nothing_can_see_them(monkeypa
 def test_small_forward_matches_the_fused_composition_and_follows_a_new_magnitude(dora_switches, monkeypatch):
     """Eval-mode decode path (g·(result + s·lora) with cached g) against the eager composition, with and without a
     bias, and after the magnitude changes in place."""
-    monkeypatch.setattr(dora.dora_fused, "kernels_available", lambda t: True)  # the small path needs no kernel
+    monkeypatch.setattr(dora_dispatch, "kernels_available", lambda t: True)  # the small path needs no kernel
     dora_switches(decode_kernels=False)  # (the decode launches do)
     for bias in (True, False):
         model = _one_linear()

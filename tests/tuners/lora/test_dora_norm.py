@@ -111,7 +111,7 @@ def test_zero_row_gives_finite_scale():
     lora_B[3] = 0
     norm = factored_row_norm(weight, lora_A, lora_B, 1.0)
     assert norm[3] == 0
-    g = dora._magnitude_scale(torch.ones(8), norm, weight.dtype)
+    g = dora.magnitude_scale(torch.ones(8), norm, weight.dtype)
     assert torch.isfinite(g).all() and g[3] == 1e6
 
 
@@ -146,14 +146,14 @@ def test_conv_norm_matches_upstream_semantics(groups, r):
 def test_invalid_fused_env_value_is_a_clear_error(dora_env, value):
     dora_env("PEFT_DORA_FUSED", value)
     with pytest.raises(ValueError, match="PEFT_DORA_FUSED"):
-        dora._env()
+        dora.dora_settings.current()
 
 
 @pytest.mark.parametrize("name", ["PEFT_DORA_FUSED", "PEFT_DORA_FUSED_BACKWARD"])
 @pytest.mark.parametrize("value,expected", [("1", True), ("TRUE", True), ("0", False), ("false", False), ("", None)])
 def test_tristate_env_values(dora_env, name, value, expected):
     dora_env(name, value)
-    env = dora._env()
+    env = dora.dora_settings.current()
     assert (env.fused if name == "PEFT_DORA_FUSED" else env.fused_backward) is expected
 
 
@@ -197,8 +197,8 @@ def test_settings_override_outlives_a_reset_and_restores(dora_env):
 
     with dora_settings.override(decode_kernels=False):
         dora_env("PEFT_DORA_FUSED", "0")
-        assert dora._env().decode_kernels is False and dora._env().fused is False
-    assert dora._env().decode_kernels is True and dora._env().fused is False
+        assert dora.dora_settings.current().decode_kernels is False and dora.dora_settings.current().fused is False
+    assert dora.dora_settings.current().decode_kernels is True and dora.dora_settings.current().fused is False
     with pytest.raises(TypeError, match="bogus"):
         with dora_settings.override(bogus=1):
             pass

@@ -395,5 +395,5 @@ def test_norm_graph_switch_parsed_and_cpu_never_graphs(dora_env):
         model(torch.randn(2, 24)).sum().backward()
     assert sum(dora.graph_counts.values()) == 0  # CUDA graphs need CUDA tensors: CPU norms stay eager
     layer = model.base_model.model.lin0
-    assert layer.lora_magnitude_vector["default"]._norm_graph.graph is None
-    assert copy.deepcopy(layer).lora_magnitude_vector["default"]._norm_graph.key is None
+    assert layer.lora_magnitude_vector["default"]._reuse.graph.graph is None
+    assert copy.deepcopy(layer).lora_magnitude_vector["default"]._reuse.graph.key is None

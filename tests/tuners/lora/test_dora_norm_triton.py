@@ -37,7 +37,7 @@ def test_imports_and_declines_without_triton():
     )
     probe = (
         "import torch; from peft.tuners.lora import dora_norm_triton as N; t = torch.empty(2, 2); "
-        "assert not N._HAS_TRITON and not N.row_norm_supported(t, t, t)\n"
+        "assert not N.HAS_TRITON and not N.row_norm_supported(t, t, t)\n"
         "try: N.triton_row_norm(t, t, t, 1.0)\n"
         "except RuntimeError as e: print('declined:', e)"
     )
@@ -49,10 +49,10 @@ def test_imports_and_declines_without_triton():
 @pytest.fixture
 def interpret(monkeypatch):
     """``interpret(flag)`` makes the module believe TRITON_INTERPRET was (not) set; only the host logic runs."""
-    return lambda flag: monkeypatch.setattr(N, "_INTERPRET", flag)
+    return lambda flag: monkeypatch.setattr(N, "INTERPRET", flag)
 
 
-@pytest.mark.skipif(not N._HAS_TRITON, reason="needs Triton")
+@pytest.mark.skipif(not N.HAS_TRITON, reason="needs Triton")
 def test_supported_rules(interpret):
     interpret(True)
     w, a, b = torch.empty(6, 8), torch.empty(3, 8), torch.empty(6, 3)
@@ -80,7 +80,7 @@ def test_shape_errors_raise_value_error(interpret, flag):
             N.triton_row_norm(*args, 1.0)
 
 
-@pytest.mark.skipif(not N._HAS_TRITON, reason="needs Triton")
+@pytest.mark.skipif(not N.HAS_TRITON, reason="needs Triton")
 def test_unsupported_device_or_dtype_raises_runtime_error(interpret):
     interpret(False)
     w, a, b = torch.randn(6, 8), torch.randn(3, 8), torch.randn(6, 3)
@@ -134,17 +134,17 @@ def test_norm_kernel_dispatch_follows_dtypes_and_switch(dora_env, monkeypatch):
         torch.empty(1, 3),
         torch.empty(2, 1),
     )
-    assert dora._norm_kernel_applies(bf16, a_bf16, b_bf16)
-    assert not dora._norm_kernel_applies(bf16, a_f32, b_f32)
-    assert not dora._norm_kernel_applies(f32, a_f32, b_f32)
+    assert dora.dora_norm._norm_kernel_applies(bf16, a_bf16, b_bf16)
+    assert not dora.dora_norm._norm_kernel_applies(bf16, a_f32, b_f32)
+    assert not dora.dora_norm._norm_kernel_applies(f32, a_f32, b_f32)
     dora_env("PEFT_DORA_NORM_KERNEL", "1")
-    assert dora._norm_kernel_applies(bf16, a_f32, b_f32) and dora._norm_kernel_applies(f32, a_f32, b_f32)
+    assert dora.dora_norm._norm_kernel_applies(bf16, a_f32, b_f32) and dora.dora_norm._norm_kernel_applies(f32, a_f32, b_f32)
     dora_env("PEFT_DORA_NORM_KERNEL", "0")
-    assert not dora._norm_kernel_applies(bf16, a_bf16, b_bf16)
+    assert not dora.dora_norm._norm_kernel_applies(bf16, a_bf16, b_bf16)
     dora_env("PEFT_DORA_NORM_KERNEL", None)
     dora_env("PEFT_DORA_FUSED", "0")
-    assert not dora._norm_kernel_applies(bf16, a_bf16, b_bf16)
+    assert not dora.dora_norm._norm_kernel_applies(bf16, a_bf16, b_bf16)
     dora_env("PEFT_DORA_FUSED", None)
     dora_env("PEFT_DORA_NORM_KERNEL", "maybe")
     with pytest.raises(ValueError, match="PEFT_DORA_NORM_KERNEL"):
-        dora._norm_kernel_applies(bf16, a_bf16, b_bf16)
+        dora.dora_norm._norm_kernel_applies(bf16, a_bf16, b_bf16)

@@ -252,10 +252,10 @@ def test_split_nan_and_inf_stay_in_their_rows():
 
 def test_split_is_the_default_for_fp32_adapters_and_matches_the_torch_form(dora_env):
     weight, lora_A, lora_B = _adapter(14336, 4096, 384, torch.bfloat16, torch.float32, ratio=0.1, seed=7)
-    assert dora._split_norm_applies(weight, lora_A, lora_B)
+    assert dora.dora_norm._split_norm_applies(weight, lora_A, lora_B)
     got = dora.factored_row_norm(weight, lora_A, lora_B, SCALE)
     dora_env("PEFT_DORA_NORM_KERNEL", "0")
-    assert not dora._split_norm_applies(weight, lora_A, lora_B)
+    assert not dora.dora_norm._split_norm_applies(weight, lora_A, lora_B)
     want = dora.factored_row_norm(weight, lora_A, lora_B, SCALE)
     err = _max_rel(got, want.double())
     print(f"split vs torch form: max rel diff {err:.3e}")
