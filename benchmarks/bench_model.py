@@ -9,9 +9,16 @@ and KV-cached generation (decode latency per token), each with peak memory over 
 logits/gradient fidelity against an fp32 run, a 500-step convergence comparison on a small model, and an optional
 profile. The parent writes one JSON (and plots) and can merge partial JSONs and update ``results/headline.json``.
 
+``--grid default`` runs a designed grid instead (model shapes of the 1B-8B class x rank, sequence, batch, targets,
+dropout and precision mode; train, x4 accumulation, inference and paired 1-token decode), one subprocess per
+(implementation, round) that builds each shape's base model once and loops over its points; its headline is the
+worst point.
+
     # the whole benchmark on a GPU (see benchmarks/README.md for the split into device calls)
     python benchmarks/bench_model.py --ours-wheel W1 --upstream-wheel W2 --out-dir OUT --profile
     python benchmarks/bench_model.py --tiny --device cpu          # every code path on CPU in a few minutes
+    python benchmarks/bench_model.py --grid default --dry-run     # the grid, its cost and its split into calls
+    python benchmarks/bench_model.py --grid tiny --device cpu     # every grid code path on CPU in a few minutes
     python benchmarks/bench_model.py --merge a.json b.json -o model.json
     python benchmarks/bench_model.py --headline model.json        # update results/headline.json from a JSON
 """
@@ -99,6 +106,90 @@ TINY = {"hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, "
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The grid (--grid): model shapes x designed points; its headline is the worst point.
+# ---------------------------------------------------------------------------------------------------------------
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GRID_TARGETS = {"qv": ("q_proj", "v_proj"), "all": PROJECTIONS}
+
+
+def _shape(preset: str, layers: int, **dims) -> dict:
+    return dict(PRESETS[preset], **dims, num_hidden_layers=layers)
+
+
+# Real models' dimensions (their published configs), vocabulary 32000, and as many decoder layers as make the LM
+# head no larger a share of the weights than in the real model (Llama-3.2-1B 27 %, Llama-3.2-3B 14 %,
+# Llama-3.1-8B 7.5 %, Qwen2.5-1.5B 18 %; here 27, 12, 7.5 and 17.5 %). Every decoder layer costs the same, so
+# such a stack has the full model's DoRA/LoRA ratio, and fewer layers than that would let the head dilute it.
+GRID_SHAPES = {
+    "llama1b": _shape("llama", 4, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=64),
+    "llama3b": _shape("llama", 8, hidden_size=3072, intermediate_size=8192, num_attention_heads=24,
+                      num_key_value_heads=8, head_dim=128),
+    "llama8b": _shape("llama", 8, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128),
+    "qwen1.5b": _shape("qwen", 6, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                       num_key_value_heads=2, head_dim=128),  # q, k, v with bias, as in Qwen2
+}  # fmt: skip
+# The designed points, the same for every shape so that shapes compare cell by cell: what people run most (r 8-64,
+# seq 512-2048, q,v and all-linear, dropout 0.05, autocast) most often, each axis' extremes at least once (r 8 and
+# 768, seq 512 and 4096, batch 1 and 8, both targets, dropout 0 and 0.05, both precision modes), at most 8192
+# tokens a step. accum4: the point also times a step of 4-micro-step gradient accumulation.
+GRID_ROWS = (
+    # mode      rank  seq  batch targets dropout accum4
+    ("autocast",   8,  512, 1, "all", 0.05, True),
+    ("autocast",  16, 1024, 4, "all", 0.05, False),
+    ("autocast",  32, 2048, 1, "qv",  0.05, False),
+    ("autocast",  64,  512, 8, "all", 0.0,  False),
+    ("autocast",  16, 4096, 1, "qv",  0.0,  False),
+    ("autocast", 128, 1024, 2, "all", 0.05, False),
+    ("autocast", 768, 2048, 2, "all", 0.0,  True),
+    ("autocast", 256, 4096, 2, "qv",  0.05, False),
+    ("bf16",       8, 2048, 2, "all", 0.05, False),
+    ("bf16",      16,  512, 1, "all", 0.05, False),
+    ("bf16",      64, 1024, 1, "qv",  0.05, True),
+    ("bf16",     768,  512, 4, "qv",  0.0,  False),
+    ("bf16",      32, 4096, 1, "all", 0.0,  False),
+)  # fmt: skip
+TINY_GRID_SHAPES = {"tiny_llama": _shape("llama", 2, **TINY), "tiny_qwen": _shape("qwen", 2, **TINY)}
+TINY_GRID_ROWS = (  # every code path: both modes, both targets, dropout 0 and 0.05, accumulation
+    ("autocast", 4, 32, 1, "all", 0.05, False),
+    ("bf16", 8, 64, 2, "qv", 0.0, True),
+)
+GRIDS = {"default": (GRID_SHAPES, GRID_ROWS), "tiny": (TINY_GRID_SHAPES, TINY_GRID_ROWS)}
+GRID_IMPLS = ("upstream", "ours_fused", "lora")
+GRID_ROUND_IMPLS = ["ours_fused", "lora"]  # upstream runs once: only its training speed-up is a headline key
+GRID_DECODE = {"pairs": 4, "steps": 6}  # ABBA pairs of DoRA/LoRA adapters; 1-token forwards timed per side and pair
+TRAIN_MEASURES = ("train", "train_accum4")
+GRID_RATIOS = TRAIN_MEASURES + ("infer", "decode_step_paired")  # ours fused / LoRA per point
+
+
+def point_label(shape: str, mode: str, rank: int, seq: int, batch: int, targets: str, dropout: float) -> str:
+    return f"{shape} {mode} r{rank} seq{seq} b{batch} {targets} drop{dropout:g}"
+
+
+def grid_points(name: str) -> list:
+    """The named grid's points, shape by shape, each a dict the worker reads (``modules``: the target modules)."""
+    shapes, rows = GRIDS[name]
+    points = []
+    for shape in shapes:
+        for mode, rank, seq, batch, targets, dropout, accum4 in rows:
+            where = dict(shape=shape, mode=mode, rank=rank, seq=seq, batch=batch, targets=targets, dropout=dropout)
+            points.append(dict(where, label=point_label(**where), modules=list(GRID_TARGETS[targets]), accum4=accum4))
+    return points
+
+
+def grid_measures(cfg: dict, impl: str) -> list:
+    """What ``impl`` measures at a grid point: upstream the training step (its speed-up is the only upstream key, and
+    its decode costs 3-4x ours), every other impl train, x4 accumulation (at the points that ask) and inference,
+    and the DoRA impls of ``--paired-impls`` the 1-token decode paired with a LoRA twin."""
+    if impl == "upstream":
+        return ["train"]
+    paired = ["decode_step_paired"] if impl in cfg["decode_paired"]["impls"] else []
+    return ["train", "train_accum4", "infer"] + paired
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Configuration.
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -119,30 +210,43 @@ def parse_args(argv=None):
     a("--loss-tokens", type=int, help="loss on the last N tokens (default 1024; tiny 16)")
     a("--batch", type=int, default=1)
     a("--ranks", help="comma list (default 64,384,768; tiny 4,8)")
-    a("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma list of {', '.join(IMPLS)}")
+    a(
+        "--impls",
+        help=f"comma list of {', '.join(IMPLS)} (default {','.join(DEFAULT_IMPLS)}; grid {','.join(GRID_IMPLS)})",
+    )
     a("--modes", default=",".join(MODES), help="comma list of autocast, bf16")
     a("--measures", help=f"comma list of {', '.join(MEASURES + EXTRA_MEASURES)} (default: all but the opt-in "
       f"{', '.join(EXTRA_MEASURES)}; with --compile {', '.join(COMPILED_MEASURES)})")
-    a("--tasks", default="speed,fidelity,convergence", help=f"comma list of {', '.join(TASKS)}")
+    a("--tasks", help=f"comma list of {', '.join(TASKS)} (default speed,fidelity,convergence; grid: speed only)")
     a("--profile", action="store_true", help="add the profile task (ours fused vs plain LoRA, one training step)")
     a("--profile-impls", default="ours_fused,lora")
     a("--repeats", type=int, help="timed repeats per measure (default 5; tiny 2)")
     a(
         "--rounds",
         type=int,
-        default=1,
         help="speed subprocesses per (impl, mode), interleaved in time; records keep every round, ratios between "
-        "implementations are medians of per-round ratios (the host's speed drifts over minutes on shared machines)",
+        "implementations are medians of per-round ratios (the host's speed drifts over minutes on shared machines); "
+        "default 1, grid 2",
     )
-    a("--round-impls", help="impls repeated in every round (default: all); the others run in the first round only")
-    a("--warmup", type=int, default=2)
+    a(
+        "--round-impls",
+        help="impls repeated in every round (default: all; grid: ours_fused,lora); the others run in the first round "
+        "only",
+    )
+    a("--grid", choices=sorted(GRIDS), help="run the designed grid (see GRID_ROWS): speed only, worst-case headline")
+    a("--grid-shapes", help="comma list of the grid's shapes to run (default: all); split a grid into device calls")
+    a("--warmup", type=int, help="untimed calls before each measure (default 2; tiny 1)")
     a(
         "--compile",
         choices=COMPILE_MODES,
         help="time every impl through torch.compile(model, mode=...): train and infer only; the run's JSON then "
         "holds compiled records only and feeds the compiled_* headline keys",
     )
-    a("--decode-pairs", type=int, default=8, help="DoRA/LoRA generations per decode_paired measure (ABBA order)")
+    a(
+        "--decode-pairs",
+        type=int,
+        help=f"DoRA/LoRA pairs per paired decode measure (ABBA order; default 8, grid {GRID_DECODE['pairs']}, tiny 2)",
+    )
     a("--paired-impls", default="ours_fused", help="DoRA impls that run decode_paired (with its measure)")
     a("--prompt-tokens", type=int, help="generation prompt (default 128; tiny 16)")
     a("--new-tokens", type=int, help="generated tokens (default 128; tiny 8)")
@@ -191,7 +295,8 @@ def _names(s: str, allowed) -> list:
 
 def resolve_config(args) -> dict:
     """Everything a worker needs to build the model and run the tasks, with the tiny/full defaults filled in."""
-    tiny = args.tiny
+    tiny = args.tiny or args.grid == "tiny"
+    grid = args.grid is not None
 
     def pick(value, full, small):
         return value if value is not None else (small if tiny else full)
@@ -218,7 +323,11 @@ def resolve_config(args) -> dict:
     )
     ranks = _ints(args.ranks) if args.ranks else ([4, 8] if tiny else [64, 384, 768])
     headline_rank = pick(args.headline_rank, 384, 8)
-    tasks = _names(args.tasks, TASKS) + (["profile"] if args.profile and "profile" not in args.tasks else [])
+    tasks = _names(args.tasks or ("speed" if grid else "speed,fidelity,convergence"), TASKS)
+    tasks += ["profile"] if args.profile and "profile" not in tasks else []
+    if grid and (tasks != ["speed"] or args.measures or args.ranks or args.compile):
+        raise SystemExit("--grid runs the speed task on its own points and measures: leave --tasks, --profile, "
+                         "--measures, --ranks and --compile unset")  # fmt: skip
     measures = _names(args.measures or ",".join(COMPILED_MEASURES if args.compile else MEASURES),
                       MEASURES + EXTRA_MEASURES)  # fmt: skip
     if args.compile and (set(tasks) != {"speed"} or set(measures) - set(COMPILED_MEASURES)):
@@ -233,7 +342,7 @@ def resolve_config(args) -> dict:
             preset, hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4, head_dim=64
         )
     )
-    return {
+    cfg = {
         "preset": args.preset,
         "tiny": tiny,
         "device": args.device,
@@ -250,17 +359,17 @@ def resolve_config(args) -> dict:
         },
         "lora": {"lora_alpha": "r/2", "use_rslora": True, "targets": "q,k,v,o,gate,up,down"},
         "ranks": ranks,
-        "impls": _names(args.impls, IMPLS),
+        "impls": _names(args.impls or ",".join(GRID_IMPLS if grid else DEFAULT_IMPLS), IMPLS),
         "modes": _names(args.modes, MODES),
         "measures": measures,
         "tasks": tasks,
         "repeats": pick(args.repeats, 5, 2),
-        "rounds": max(1, args.rounds),
-        "round_impls": _names(args.round_impls, IMPLS) if args.round_impls else None,
-        "warmup": args.warmup,
+        "rounds": max(1, args.rounds or (2 if grid else 1)),
+        "round_impls": _names(args.round_impls, IMPLS) if args.round_impls else GRID_ROUND_IMPLS if grid else None,
+        "warmup": pick(args.warmup, 2, 1),
         "compile": args.compile,
         "decode_paired": {
-            "pairs": max(1, args.decode_pairs),
+            "pairs": max(1, pick(args.decode_pairs, GRID_DECODE["pairs"] if grid else 8, 2)),
             "impls": _names(args.paired_impls, [n for n in IMPLS if IMPLS[n]["dora"]]),
         },
         "headline_rank": headline_rank,
@@ -287,6 +396,42 @@ def resolve_config(args) -> dict:
             "mode": args.conv_mode or ("autocast" if args.device.startswith("cuda") else "fp32"),
         },
         "profile": {"mode": "autocast", "rank": headline_rank, "top": 25, "impls": _names(args.profile_impls, IMPLS)},
+    }
+    if grid:
+        cfg.update(grid_config(args, cfg))
+    return cfg
+
+
+def grid_config(args, cfg: dict) -> dict:
+    """The grid's part of the configuration: its shapes' model configs and the points to run (``--grid-shapes``,
+    ``--modes``), and the ranks and measures they use."""
+    shapes, _ = GRIDS[args.grid]
+    chosen = _names(args.grid_shapes, shapes) if args.grid_shapes else list(shapes)
+    points = [p for p in grid_points(args.grid) if p["shape"] in chosen and p["mode"] in cfg["modes"]]
+    models = {}
+    for name in chosen:
+        dims = dict(shapes[name])
+        config_class, model_class = dims.pop("config_class"), dims.pop("model_class")
+        layers = dims.pop("num_hidden_layers")
+        config_kwargs = dict(
+            dims,
+            vocab_size=cfg["model"]["config_kwargs"]["vocab_size"],
+            num_hidden_layers=args.layers or layers,
+            max_position_embeddings=cfg["model"]["config_kwargs"]["max_position_embeddings"],
+            initializer_range=0.02,
+        )
+        models[name] = dict(cfg["model"], config_class=config_class, model_class=model_class,
+                            config_kwargs=config_kwargs)  # fmt: skip
+    return {
+        "lora": dict(cfg["lora"], targets="per point: q,v or all seven", dropout="per point"),
+        "grid": {
+            "name": args.grid,
+            "models": models,
+            "points": points,
+            "decode": {"pairs": cfg["decode_paired"]["pairs"], "steps": GRID_DECODE["steps"]},
+        },
+        "ranks": sorted({p["rank"] for p in points}),
+        "measures": sorted({m for i in cfg["impls"] for m in grid_measures(cfg, i)}, key=GRID_RATIOS.index),
     }
 
 
@@ -356,19 +501,28 @@ def install(wheel: Path, target_root: Path) -> Path:
     return target
 
 
-def plan_jobs(cfg: dict) -> list:
-    """One job per (impl, mode) and round for speed; one per impl for the other tasks. Most important first.
+def _rounds(cfg: dict):
+    """(round, impl) in run order: round k runs every repeated impl once (all impls in round 0), odd rounds in
+    reverse order, so that a pair of implementations is measured close together, in alternating order."""
+    repeated = cfg.get("round_impls") or cfg["impls"]
+    for k in range(cfg.get("rounds", 1)):
+        order = [i for i in cfg["impls"] if k == 0 or i in repeated]
+        for impl in order[::-1] if k % 2 else order:
+            yield k, impl
 
-    Rounds interleave in time (round k runs every repeated impl once; odd rounds in reverse order), so a pair of
-    implementations is measured minutes apart at most, in alternating order."""
+
+def plan_jobs(cfg: dict) -> list:
+    """One job per (impl, mode) and round for speed (a grid: per (impl, round), every shape and mode in one process,
+    which builds each shape's bf16 base once: a process start costs more than most points); one per impl for the
+    other tasks. Most important first."""
     jobs = []
+    if "grid" in cfg:
+        modes = [m for m in cfg["modes"] if any(p["mode"] == m for p in cfg["grid"]["points"])]
+        return [{"impl": impl, "tasks": ["speed"], "modes": modes, "round": k} for k, impl in _rounds(cfg)]
     if "speed" in cfg["tasks"]:
-        rounds, repeated = cfg.get("rounds", 1), cfg.get("round_impls") or cfg["impls"]
         for mode in cfg["modes"]:
-            for k in range(rounds):
-                order = [i for i in cfg["impls"] if k == 0 or i in repeated]
-                for impl in order[::-1] if k % 2 else order:
-                    jobs.append({"impl": impl, "tasks": ["speed"], "modes": [mode], "round": k})
+            for k, impl in _rounds(cfg):
+                jobs.append({"impl": impl, "tasks": ["speed"], "modes": [mode], "round": k})
     for impl in cfg["impls"]:
         tasks = []
         if "fidelity" in cfg["tasks"] and impl in DORA_IMPLS:
@@ -389,22 +543,44 @@ STARTUP_S = 20.0  # interpreter, imports, CUDA context, model build
 DECODE_S_PER_TOKEN_PER_LAYER = 2.5e-3  # launch-bound HF decode step with a PEFT model, per decoder layer
 
 
+def _projections(ck: dict) -> dict:
+    """(d_out, d_in) of each projection of one decoder layer."""
+    h, f = ck["hidden_size"], ck["intermediate_size"]
+    kv = ck["num_key_value_heads"] * ck.get("head_dim", h // ck["num_attention_heads"])
+    return dict(zip(PROJECTIONS, [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]))
+
+
+def weights(ck: dict) -> int:
+    """Parameters of the decoder layers and the LM head."""
+    layers = sum(o * i for o, i in _projections(ck).values()) * ck["num_hidden_layers"]
+    return layers + ck["vocab_size"] * ck["hidden_size"]
+
+
+def forward_flops(ck: dict, batch: int, seq: int, rank: int, modules=PROJECTIONS, upstream=False) -> tuple:
+    """FLOPs of one forward: weights, causal attention and the LoRA matmuls of the adapted ``modules``; and apart,
+    upstream's dense norm (``eye(d_in)`` through A, then B, per adapted module and forward)."""
+    proj, layers, tokens = _projections(ck), ck["num_hidden_layers"], batch * seq
+    adapted = [proj[m] for m in modules]
+    lora = 2 * rank * sum(o + i for o, i in adapted) * layers * tokens
+    attention = 2 * batch * seq * seq * ck["hidden_size"] * layers
+    dense = sum(2 * rank * i * (i + o) for o, i in adapted) * layers if upstream else 0.0
+    return 2 * weights(ck) * tokens + attention + lora, dense
+
+
 def estimate_s(cfg: dict, job: dict) -> float:
     if cfg["device"] == "cpu":
         return 0.0
+    if "grid" in cfg:
+        impl = IMPLS[job["impl"]]
+        compiles = impl["ours"] and impl["env"].get("PEFT_DORA_FUSED") != "0" and job["round"] == 0
+        points = sum(point_cost_s(cfg, p, job["impl"]) for p in job_points(cfg, job))
+        return STARTUP_S + TRITON_COMPILE_S * compiles + points
     m, ck = cfg["model"], cfg["model"]["config_kwargs"]
-    h, f, layers = ck["hidden_size"], ck["intermediate_size"], ck["num_hidden_layers"]
-    kv = ck["num_key_value_heads"] * ck.get("head_dim", h // ck["num_attention_heads"])
-    mats = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]  # (d_out, d_in)
-    tokens = m["batch"] * m["seq"]
-    w = sum(o * i for o, i in mats) * layers + ck["vocab_size"] * h
+    layers = ck["num_hidden_layers"]
     total, reps = STARTUP_S, cfg["repeats"] + cfg["warmup"]
     for rank in cfg["ranks"]:
-        lora = 2 * rank * sum(o + i for o, i in mats) * layers * tokens
-        dense_norm = 0.0
-        if job["impl"] == "upstream":  # eye(d_in) through A, then B: per module and forward
-            dense_norm = sum(2 * rank * i * (i + o) for o, i in mats) * layers
-        fwd = (2 * w * tokens + lora + dense_norm) / EFFECTIVE_FLOPS
+        base, dense_norm = forward_flops(ck, m["batch"], m["seq"], rank, upstream=job["impl"] == "upstream")
+        fwd = (base + dense_norm) / EFFECTIVE_FLOPS
         if "speed" in job["tasks"]:
             meas = cfg["measures"]
             total += reps * 3 * fwd * ("train" in meas) + reps * 12 * fwd * ("train_accum4" in meas)
@@ -425,11 +601,94 @@ def estimate_s(cfg: dict, job: dict) -> float:
     return total
 
 
+# A grid point's steps are short, and at small batch x seq launch-bound: a step takes the longer of its GPU time
+# (FLOPs at EFFECTIVE_FLOPS; a decode step reads every weight) and its host time, per decoder layer a fixed part
+# plus one per adapted module (H200: the 8-layer Llama-8B training step issues in ~100 ms with LoRA, ~110 ms with
+# our DoRA; an inference forward ~2.9 ms per layer; KV-cached decode ~1.7 ms per layer and token).
+HOST_S = {  # measure: (per layer, per adapted module by kind of implementation)
+    "train": (3.0e-3, {"lora": 1.2e-3, "ours": 1.5e-3, "upstream": 2.5e-3}),
+    "infer": (0.8e-3, {"lora": 0.3e-3, "ours": 0.35e-3, "upstream": 0.8e-3}),
+    "decode": (0.6e-3, {"lora": 0.15e-3, "ours": 0.2e-3, "upstream": 0.7e-3}),
+}
+HBM_BYTES_PER_S = 3e12
+POINT_SETUP_S = 1.5  # wrap, seed, unload and release the adapters; gradient proofs
+TRITON_COMPILE_S = 25.0  # our first grid process of a shape compiles the fused kernels (H200: 117 s vs 89 s later)
+
+
+def job_points(cfg: dict, job: dict) -> list:
+    return [p for p in cfg["grid"]["points"] if p["mode"] in job["modes"]]
+
+
+def point_cost_s(cfg: dict, point: dict, impl: str) -> float:
+    """Seconds ``impl`` spends on one grid point: warm-ups and repeats of each of its measures, and the setup."""
+    ck = cfg["grid"]["models"][point["shape"]]["config_kwargs"]
+    kind = "upstream" if impl == "upstream" else "ours" if IMPLS[impl]["dora"] else "lora"
+    flops, dense = forward_flops(ck, point["batch"], point["seq"], point["rank"], point["modules"], kind == "upstream")
+
+    def step(measure: str, gpu_s: float) -> float:
+        per_layer, per_module = HOST_S[measure]
+        return max(gpu_s, ck["num_hidden_layers"] * (per_layer + len(point["modules"]) * per_module[kind]))
+
+    train = step("train", (4 * flops + 2 * dense) / EFFECTIVE_FLOPS)  # forward, checkpoint recompute, backward
+    infer = step("infer", (flops + dense) / EFFECTIVE_FLOPS)
+    decode = step("decode", 2 * weights(ck) / HBM_BYTES_PER_S)
+    measures, reps = grid_measures(cfg, impl), cfg["warmup"] + cfg["repeats"]
+    total = POINT_SETUP_S + reps * train
+    if "train_accum4" in measures and point["accum4"]:
+        total += (max(1, cfg["warmup"] - 1) + cfg["repeats"]) * 4 * train
+    if "infer" in measures:
+        total += reps * infer
+    if "decode_step_paired" in measures:  # each side prefills once, then a warm-up pair and the pairs of steps
+        decode_cfg = cfg["grid"]["decode"]
+        total += 2 * infer + (decode_cfg["pairs"] + 1) * 2 * decode_cfg["steps"] * decode
+    return total
+
+
+CALL_BUDGET_S = 8 * 60  # the work one device call plans for (with --deadline-min 8.5 it starts no job after that)
+
+
+def grid_cost_s(cfg: dict, shapes: list, modes: list) -> float:
+    """Estimated seconds of the grid run restricted to ``shapes`` and ``modes``: every job's start and its points."""
+    points = [p for p in cfg["grid"]["points"] if p["shape"] in shapes and p["mode"] in modes]
+    sub = dict(cfg, grid=dict(cfg["grid"], points=points))
+    return sum(estimate_s(sub, j) for j in plan_jobs(sub))
+
+
+def plan_calls(cfg: dict, budget_s: float = CALL_BUDGET_S) -> list:
+    """The grid split into device calls of at most ``budget_s`` each: whole shapes (a shape over the budget alone:
+    one call per precision mode), largest first, each into the call it leaves shortest, or a new one. Each call:
+    shapes, modes (None: all) and estimated seconds."""
+    modes = cfg["modes"]
+    items = []
+    for shape in cfg["grid"]["models"]:
+        whole = grid_cost_s(cfg, [shape], modes) <= budget_s or len(modes) == 1
+        items += [([shape], None)] if whole else [([shape], [m]) for m in modes]
+    calls: list = []
+    for shapes, only in sorted(items, key=lambda it: -grid_cost_s(cfg, it[0], it[1] or modes)):
+        joined = [(grid_cost_s(cfg, c["shapes"] + shapes, only or modes), c) for c in calls if c["modes"] == only]
+        fits = [(cost, c) for cost, c in joined if cost <= budget_s]
+        if fits:
+            cost, call = min(fits, key=lambda f: f[0])
+            call.update(shapes=call["shapes"] + shapes, s=cost)
+        else:
+            calls.append({"shapes": list(shapes), "modes": only, "s": grid_cost_s(cfg, shapes, only or modes)})
+    return calls
+
+
+def call_command(grid: str, call: dict, k: int) -> str:
+    """The device command of call ``k`` (1-based) of :func:`plan_calls`."""
+    modes = f" --modes {','.join(call['modes'])}" if call["modes"] else ""
+    return (
+        f"PYTHONUNBUFFERED=1 python3 benchmarks/bench_model.py --grid {grid} --grid-shapes {','.join(call['shapes'])}"
+        f"{modes} --out-dir $OUT --out model_grid_{k}.json --deadline-min 8.5 2>&1 | tee $OUT/log_grid_{k}.txt"
+    )
+
+
 def run_job(job: dict, cfg: dict, targets: dict, workdir: Path, timeout: float | None) -> dict:
     """Run one worker subprocess and return what it wrote (or the failure)."""
     name = job["impl"]
     impl = dict(IMPLS[name], name=name, target=str(targets[IMPLS[name]["wheel"]]))
-    tag = f"{name}_{'-'.join(job['tasks'])}_{'-'.join(job['modes'])}" + (
+    tag = f"{name}_{'grid' if 'grid' in cfg else '-'.join(job['tasks'])}_{'-'.join(job['modes'])}" + (
         f"_r{job['round']}" if job.get("round") else ""
     )
     spec = {
@@ -450,6 +709,12 @@ def run_job(job: dict, cfg: dict, targets: dict, workdir: Path, timeout: float |
         "workdir": str(workdir),
         "result": str(workdir / f"result_{tag}.json"),
     }
+    if "grid" in cfg:
+        grid = cfg["grid"]
+        spec["measures"] = grid_measures(cfg, name)
+        points = job_points(cfg, job)
+        models = {s: m for s, m in grid["models"].items() if any(p["shape"] == s for p in points)}
+        spec["grid"] = {"models": models, "points": points, "decode": grid["decode"]}
     spec_path = workdir / f"spec_{tag}.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     Path(spec["result"]).unlink(missing_ok=True)
@@ -557,15 +822,16 @@ def convergence_metrics(losses: dict) -> dict:
     return out
 
 
-ROUND_KEYS = ("median_ms", "min_ms", "max_ms", "peak_delta_mb", "tiers")
+ROUND_KEYS = ("median_ms", "min_ms", "max_ms", "peak_delta_mb", "tiers", "grad_proof")
 
 
 def collapse_rounds(records: list) -> list:
-    """One record per (impl, mode, rank, measure): a measure taken in several rounds keeps each round's figures under
-    ``rounds`` and reports the median of the round medians, the extremes of all samples and the largest peak."""
+    """One record per (impl, mode, rank, measure, grid point): a measure taken in several rounds keeps each round's
+    figures under ``rounds`` and reports the median of the round medians, the extremes of all samples and the
+    largest peak."""
     groups: dict = {}
     for r in records:
-        groups.setdefault((r["impl"], r["mode"], r["rank"], r["measure"]), []).append(r)
+        groups.setdefault((r["impl"], r["mode"], r["rank"], r["measure"], r.get("point")), []).append(r)
     out = []
     for recs in groups.values():
         if len(recs) == 1:
@@ -590,22 +856,45 @@ def collapse_rounds(records: list) -> list:
     return out
 
 
-def _record(doc: dict, impl: str, mode: str, measure: str, rank: int):
+def _record(doc: dict, impl: str, mode: str, measure: str, rank: int, point: str | None = None):
+    """The speed record of (impl, mode, measure, rank) and, in a grid, of the point with that label."""
     for r in doc.get("speed", []):
-        if (r["impl"], r["mode"], r["measure"], r["rank"]) == (impl, mode, measure, rank):
+        if (r["impl"], r["mode"], r["measure"], r["rank"], r.get("point")) == (impl, mode, measure, rank, point):
             return r
     return None
 
 
-def speed_value(doc: dict, impl: str, mode: str, measure: str, rank: int, key: str = "median_ms"):
-    r = _record(doc, impl, mode, measure, rank)
+def speed_value(doc: dict, impl: str, mode: str, measure: str, rank: int, key: str = "median_ms", point=None):
+    r = _record(doc, impl, mode, measure, rank, point)
     return None if r is None else r.get(key)
 
 
-def round_ratios(doc: dict, num: str, den: str, mode: str, measure: str, rank: int) -> list:
+def proof_ok(record: dict) -> bool:
+    """Whether a training record proved that every round trained (:class:`model_worker.GradProof`). A grid record
+    must carry the proof; a record of an older run without one passes."""
+    if record["measure"] not in TRAIN_MEASURES:
+        return True
+    proofs = [x.get("grad_proof") for x in record.get("rounds") or [record]]
+    return all((p or {}).get("ok", "point" not in record) for p in proofs)
+
+
+def proof_failures(doc: dict) -> list:
+    """One line per training record that failed its gradient proof (or, in a grid, lacks it)."""
+    out = []
+    for r in doc.get("speed", []):
+        if not proof_ok(r):
+            bad = [x.get("grad_proof") or {} for x in r.get("rounds") or [r]]
+            names = sorted({n for p in bad for n in p.get("bad_names", [])})
+            where = r.get("point") or f"{r['mode']} r={r['rank']}"
+            failed = f"gradient proof failed (bad tensors: {names or 'no proof'})"
+            out.append(f"{r['impl']} {where} {r['measure']}: {failed}")
+    return out
+
+
+def round_ratios(doc: dict, num: str, den: str, mode: str, measure: str, rank: int, point=None) -> list:
     """``num``'s time over ``den``'s in each round both ran in (each pair measured close together in time), or []
     where they share fewer than two rounds."""
-    a, b = _record(doc, num, mode, measure, rank), _record(doc, den, mode, measure, rank)
+    a, b = _record(doc, num, mode, measure, rank, point), _record(doc, den, mode, measure, rank, point)
     if a is None or b is None:
         return []
     ra = {x["round"]: x["median_ms"] for x in a.get("rounds", [])}
@@ -614,13 +903,15 @@ def round_ratios(doc: dict, num: str, den: str, mode: str, measure: str, rank: i
     return [ra[k] / rb[k] for k in common] if len(common) > 1 else []
 
 
-def time_ratio(doc: dict, num: str, den: str, mode: str, measure: str, rank: int):
+def time_ratio(doc: dict, num: str, den: str, mode: str, measure: str, rank: int, point=None):
     """``num``'s time over ``den``'s: the median of the per-round ratios (:func:`round_ratios`) where both ran in the
-    same rounds, else the ratio of the medians."""
-    a, b = _record(doc, num, mode, measure, rank), _record(doc, den, mode, measure, rank)
+    same rounds, else the ratio of the medians; None where a record is missing or failed its gradient proof."""
+    a, b = _record(doc, num, mode, measure, rank, point), _record(doc, den, mode, measure, rank, point)
     if a is None or b is None or not a.get("median_ms") or not b.get("median_ms"):
         return None
-    ratios = round_ratios(doc, num, den, mode, measure, rank)
+    if not (proof_ok(a) and proof_ok(b)):
+        return None
+    ratios = round_ratios(doc, num, den, mode, measure, rank, point)
     if ratios:
         return round(statistics.median(ratios), 4)
     return round(a["median_ms"] / b["median_ms"], 4)
@@ -655,9 +946,69 @@ def compiled_headline_values(doc: dict) -> dict:
     }
 
 
+def grid_ratios(doc: dict) -> list:
+    """Per point of the run's grid: ours fused / LoRA for each measure the point has (decode: the median of every
+    pair's ratio), and upstream / ours fused for the training step; None where a record is missing or failed its
+    gradient proof."""
+    rows = []
+    for p in doc["config"]["grid"]["points"]:
+        at = dict(mode=p["mode"], rank=p["rank"], point=p["label"])
+        ratios = {}
+        for measure in GRID_RATIOS:
+            if measure == "train_accum4" and not p["accum4"]:
+                continue
+            if measure == "decode_step_paired":
+                paired = speed_value(doc, "ours_fused", measure=measure, key="ratio_median", **at)
+                ratios[measure] = None if paired is None else round(paired, 4)
+            else:
+                ratios[measure] = time_ratio(doc, "ours_fused", "lora", measure=measure, **at)
+        speedup = time_ratio(doc, "upstream", "ours_fused", measure="train", **at)
+        rows.append({"point": p, "dora_over_lora": ratios, "speedup_vs_upstream_train": speedup})
+    return rows
+
+
+GRID_WORST = (  # headline key, modes, measures: the largest ours fused / LoRA over those points
+    ("grid_worst_dora_over_lora_train", ("autocast",), TRAIN_MEASURES),
+    ("grid_worst_dora_over_lora_train_bf16", ("bf16",), TRAIN_MEASURES),
+    ("grid_worst_dora_over_lora_infer", ("autocast",), ("infer",)),
+    ("grid_worst_dora_over_lora_infer_bf16", ("bf16",), ("infer",)),
+    ("grid_worst_dora_over_lora_decode", MODES, ("decode_step_paired",)),
+)
+
+
+def grid_headline_values(doc: dict) -> dict:
+    """The grid's headline: the worst point per measure and mode (its label in ``<key>_at``), the median training
+    ratio over every point and mode, the smallest training speed-up over upstream, and ``grid_points``: the points
+    whose every ratio was measured and proved (any other point is missing from all of them)."""
+    rows = grid_ratios(doc)
+
+    def where(row, measure):
+        return row["point"]["label"] + (" accum4" if measure == "train_accum4" else "")
+
+    out = {"grid_points": sum(all(v is not None for v in r["dora_over_lora"].values()) for r in rows)}
+    for key, modes, measures in GRID_WORST:
+        found = [
+            (r["dora_over_lora"][m], where(r, m))
+            for r in rows
+            if r["point"]["mode"] in modes
+            for m in measures
+            if r["dora_over_lora"].get(m) is not None
+        ]
+        out[key], out[key + "_at"] = max(found) if found else (None, None)
+    train = [r["dora_over_lora"][m] for r in rows for m in TRAIN_MEASURES if r["dora_over_lora"].get(m) is not None]
+    out["grid_median_dora_over_lora_train"] = round(statistics.median(train), 4) if train else None
+    speedups = [(r["speedup_vs_upstream_train"], where(r, "train")) for r in rows if r["speedup_vs_upstream_train"]]
+    key = "grid_worst_speedup_vs_upstream_train"
+    out[key], out[key + "_at"] = min(speedups) if speedups else (None, None)
+    return out
+
+
 def headline_values(doc: dict) -> dict:
     """The flat headline keys, computed from the JSON at its headline rank (ours = fused); for a ``--compile`` run
-    only the compiled_* keys (:func:`compiled_headline_values`), so neither kind of run drops the other's keys."""
+    only the compiled_* keys (:func:`compiled_headline_values`), for a grid only the grid_* keys
+    (:func:`grid_headline_values`), so no kind of run drops another's keys."""
+    if doc["config"].get("grid"):
+        return grid_headline_values(doc)
     if doc["config"].get("compile"):
         return compiled_headline_values(doc)
     rank = doc["config"]["headline_rank"]
@@ -707,6 +1058,8 @@ def update_headline(doc: dict, path: Path) -> dict:
     other key (added by hand)."""
     if doc.get("kind") != "gpu" and "cpu_smoke" not in path.parts:
         raise SystemExit(f"refusing to write CPU numbers into {path}: CPU runs write under results/cpu_smoke/")
+    for line in proof_failures(doc):
+        print(f"ERROR {line}: left out of the headline", file=sys.stderr)
     current = json.loads(path.read_text()) if path.exists() else {}
     values = headline_values(doc)
     new = {k: v for k, v in values.items() if v is not None}
@@ -790,15 +1143,22 @@ def absorb(doc: dict, result: dict, fidelity_files: dict) -> None:
 
 
 def _merge_key(record: dict) -> tuple:
-    return record["mode"], record["rank"], "pair_ratios" in record
+    return record["mode"], record["rank"], "pair_ratios" in record, record.get("point")
 
 
 def merge_docs(docs: list) -> dict:
-    """Later documents win per (mode, rank) of speed records and per fidelity/profile/convergence entry."""
+    """Later documents win per (mode, rank) of speed records (in a grid: per point) and per fidelity/profile/convergence
+    entry; the grids of grid runs (one per device call) join."""
     out = json.loads(json.dumps(docs[0]))
     for d in docs[1:]:
         if d["kind"] != out["kind"]:
             raise SystemExit(f"cannot merge a {d['kind']} run into a {out['kind']} run")
+        if ("grid" in d["config"]) != ("grid" in out["config"]):
+            raise SystemExit("cannot merge a grid run with a run that is not one")
+        if "grid" in d["config"]:
+            grid, labels = out["config"]["grid"], {p["label"] for p in out["config"]["grid"]["points"]}
+            grid["models"].update(d["config"]["grid"]["models"])
+            grid["points"] += [p for p in d["config"]["grid"]["points"] if p["label"] not in labels]
         if d["env"].get("gpu") != out["env"].get("gpu"):
             print(f"warning: merging runs on different GPUs: {out['env'].get('gpu')} / {d['env'].get('gpu')}")
         out["env"].update(d["env"])
@@ -823,7 +1183,9 @@ def merge_docs(docs: list) -> dict:
         for key in ("impls", "modes", "measures", "tasks"):
             cfg[key] += [x for x in d["config"][key] if x not in cfg[key]]
     out["convergence"]["metrics"] = convergence_metrics(out["convergence"]["losses"])
-    out["speed"].sort(key=lambda r: (r["mode"], r["rank"], r["measure"], list(IMPLS).index(r["impl"])))
+    out["speed"].sort(
+        key=lambda r: (r.get("point", ""), r["mode"], r["rank"], r["measure"], list(IMPLS).index(r["impl"]))
+    )
     return out
 
 
@@ -846,7 +1208,32 @@ def write_doc(doc: dict, path: Path) -> None:
 SUMMARY_MEASURES = ("train", "train_accum4", "step_accum4", "infer", "decode_per_token", "decode_per_token_cached")
 
 
+def _fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_grid(doc: dict) -> None:
+    print(f"\n== {doc['kind']} grid on {doc['env'].get('gpu')}: ours fused / LoRA per point (x: upstream / ours) ==")
+    for row in grid_ratios(doc):
+        cells = "  ".join(f"{m.replace('_step_paired', '')} {_fmt(v)}" for m, v in row["dora_over_lora"].items())
+        print(f"{row['point']['label']:44s} {cells}  x{_fmt(row['speedup_vs_upstream_train'], '.2f')}")
+    print("headline (worst over the grid): " + json.dumps(grid_headline_values(doc)))
+
+
 def print_summary(doc: dict) -> None:
+    if "grid" in doc["config"]:
+        print_grid(doc)
+    else:
+        print_rank_tables(doc)
+    for e in doc["errors"]:
+        print(f"ERROR {e.get('impl')} {e.get('modes')} {e['task']}: {e['error'].strip().splitlines()[-1]}")
+    for s in doc["skipped"]:
+        print(f"SKIPPED {s}")
+    for w in doc.get("warnings", []):
+        print(f"WARNING {w}")
+
+
+def print_rank_tables(doc: dict) -> None:
     rank = doc["config"]["headline_rank"]
     print(f"\n== {doc['kind']} on {doc['env'].get('gpu')}: median ms (peak delta MB) ==")
     for mode in doc["config"]["modes"]:
@@ -879,12 +1266,6 @@ def print_summary(doc: dict) -> None:
         if key.endswith("upstream") or key.startswith("ours_eager_vs"):
             print(f"convergence {key}: mean |dloss| {val['mean_abs_dloss']:.3g}, max {val['max_abs_dloss']:.3g}")
     print("headline (r=%d): %s" % (rank, json.dumps(headline_values(doc))))
-    for e in doc["errors"]:
-        print(f"ERROR {e.get('impl')} {e.get('modes')} {e['task']}: {e['error'].strip().splitlines()[-1]}")
-    for s in doc["skipped"]:
-        print(f"SKIPPED {s}")
-    for w in doc.get("warnings", []):
-        print(f"WARNING {w}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -897,10 +1278,11 @@ def tier_warnings(doc: dict) -> list:
     out = []
     for r in doc["speed"]:
         tiers = set(r.get("tiers") or {}) & {"eager", "fused_forward", "fused_backward"}
+        where = r.get("point") or f"{r['mode']} r={r['rank']}"
         if r["impl"] == "ours_eager" and tiers - {"eager"}:
-            out.append(f"ours_eager {r['mode']} r={r['rank']} {r['measure']} ran tiers {sorted(tiers)}")
+            out.append(f"ours_eager {where} {r['measure']} ran tiers {sorted(tiers)}")
         if r["impl"] == "ours_fused" and doc["kind"] == "gpu" and tiers and not tiers - {"eager"}:
-            out.append(f"ours_fused {r['mode']} r={r['rank']} {r['measure']} ran only the eager tier")
+            out.append(f"ours_fused {where} {r['measure']} ran only the eager tier")
     return out
 
 
@@ -915,23 +1297,43 @@ def finish(doc: dict, out_path: Path, plots: bool) -> None:
             print(f"wrote {png}")
 
 
+def print_grid_plan(cfg: dict) -> None:
+    """The grid's points and, on a GPU, its split into device calls with each call's command."""
+    points = cfg["grid"]["points"]
+    print(f"grid {cfg['grid']['name']}: {len(points)} points (accum4: x4 accumulation too)")
+    for p in points:
+        print(f"  {p['label']}{' accum4' if p['accum4'] else ''}")
+    if not cfg["device"].startswith("cuda"):
+        return
+    calls = plan_calls(cfg)
+    print(f"device calls: {len(calls)} (each with --deadline-min 8.5)")
+    for k, call in enumerate(calls, 1):
+        modes = ",".join(call["modes"] or ["both modes"])
+        print(f"  call {k}: {','.join(call['shapes'])} {modes} ~{call['s'] / 60:.1f} min")
+        print(f"    {call_command(cfg['grid']['name'], call, k)}")
+
+
 def run(args, argv) -> int:
     cfg = resolve_config(args)
     jobs = plan_jobs(cfg)
     estimates = [estimate_s(cfg, j) for j in jobs]
+    if "grid" in cfg:
+        print_grid_plan(cfg)
     print(f"plan: {len(jobs)} subprocesses on {cfg['device']}")
     for j, e in zip(jobs, estimates):
-        print(f"  {j['impl']:11s} {','.join(j['tasks']):28s} {','.join(j['modes']):14s} ~{e / 60:4.1f} min")
+        what = ",".join(j["tasks"]) + (f" round {j['round']}" if "round" in j else "")
+        print(f"  {j['impl']:11s} {what:28s} {','.join(j['modes']):14s} ~{e / 60:4.1f} min")
     if cfg["device"].startswith("cuda"):
         print(f"estimated total ~{sum(estimates) / 60:.1f} min (rough FLOP/launch model; see estimate_s)")
     if args.dry_run:
         return 0
-    if args.device.startswith("cuda") is False and not args.tiny:
+    if args.device.startswith("cuda") is False and not cfg["tiny"]:
         print("warning: a full-size run off the GPU will take very long")
     out_dir = (
         Path(args.out_dir) if args.out_dir else (RESULTS if cfg["device"].startswith("cuda") else RESULTS / "cpu_smoke")
     )
-    out_path = out_dir / (args.out or f"model_{cfg['preset']}{'_tiny' if cfg['tiny'] else ''}.json")
+    name = "grid" if "grid" in cfg else cfg["preset"]
+    out_path = out_dir / (args.out or f"model_{name}{'_tiny' if cfg['tiny'] else ''}.json")
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     wheels = {which: find_wheel(getattr(args, f"{which}_wheel"), which) for which in ("ours", "upstream")}
@@ -947,13 +1349,16 @@ def run(args, argv) -> int:
     for job in jobs:
         elapsed = time.perf_counter() - t_start
         if deadline is not None and elapsed > deadline - 15:
-            doc["skipped"].append({"impl": job["impl"], "tasks": job["tasks"], "modes": job["modes"]})
+            doc["skipped"].append({k: job[k] for k in ("impl", "tasks", "modes", "round") if k in job})
             continue
         result = run_job(job, cfg, targets, workdir, None if deadline is None else deadline - elapsed)
         for e in result.get("errors", []):
             e["error"] = scrub(e["error"], places)
         for r in result.get("speed", []):
             r["round"] = job.get("round", 0)
+        for line in proof_failures({"speed": result.get("speed", [])}):
+            print(f"ERROR {line}: this record is left out of every headline", flush=True)
+            result["errors"].append({"task": "grad_proof", "impl": job["impl"], "modes": job["modes"], "error": line})
         raw_speed += result.get("speed", [])
         absorb(doc, result, fidelity_files)
         doc["speed"] = collapse_rounds(raw_speed)

@@ -1,5 +1,5 @@
-"""Render the benchmark tables of ``docs/benchmarks.md`` (markdown) from a ``bench_model.py`` or ``bench_kernels.py``
-JSON.
+"""Render the benchmark tables of ``docs/benchmarks.md`` (markdown) from a ``bench_model.py`` (a grid run: its worst
+cases) or ``bench_kernels.py`` JSON.
 
     python benchmarks/make_readme_table.py benchmarks/results/model_llama.json            # print the table
     python benchmarks/make_readme_table.py RESULT.json --write docs/benchmarks.md          # replace it in place
@@ -131,6 +131,58 @@ def render(doc: dict, ranks=None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_grid(doc: dict) -> str:
+    """A grid run (``bench_model.py --grid``): per shape and precision mode, the worst ours fused / LoRA of each
+    measure and its point, the median training ratio and the smallest training speed-up over upstream."""
+    import statistics
+
+    import bench_model  # beside this file
+
+    rows, env = bench_model.grid_ratios(doc), doc["env"]
+    measures = (("train", "train step"), ("infer", "inference"), ("decode_step_paired", "1-token decode"))
+    lines = []
+    if doc["kind"] != "gpu":
+        lines += ["**CPU smoke run: these numbers only show that the pipeline works; they are not a benchmark.**", ""]
+    lines += [
+        f"{len(rows)} grid points on {env.get('gpu')}, driver {env.get('driver')}, torch {env.get('torch')}, triton "
+        f"{env.get('triton')}, transformers {env.get('transformers')}; {env.get('date')}. Ours fused / plain LoRA time "
+        "(median of per-round ratios; decode paired in one process), the worst point of each shape and mode with "
+        "where it is (train: the step or, marked accum4, the ×4 accumulation step); speed-up = upstream DoRA / ours.",
+        "",
+        "| shape | mode | " + " | ".join(f"worst {label}" for _, label in measures) + " | median train | "
+        "smallest speed-up over upstream (train) |",
+        "|---|---|" + "---|" * (len(measures) + 2),
+    ]
+
+    def worst(group: list, values, pick=max) -> str:
+        """The ``pick`` of ``values(row)`` (pairs of value and measure) over ``group``, with its point."""
+        found = [(v, r["point"], m) for r in group for v, m in values(r) if v is not None]
+        if not found:
+            return "–"
+        value, point, m = pick(found, key=lambda f: f[0])
+        where = f"r{point['rank']} seq{point['seq']} b{point['batch']} {point['targets']} drop{point['dropout']:g}"
+        return f"{value:.2f} ({where}{' accum4' if m == 'train_accum4' else ''})"
+
+    def ratios(measures_of):
+        return lambda r: [(r["dora_over_lora"].get(m), m) for m in measures_of]
+
+    shapes = list(dict.fromkeys(r["point"]["shape"] for r in rows))
+    for shape in shapes:
+        for mode in ("autocast", "bf16"):
+            group = [r for r in rows if r["point"]["shape"] == shape and r["point"]["mode"] == mode]
+            if not group:
+                continue
+            cells = [worst(group, ratios(bench_model.TRAIN_MEASURES if m == "train" else (m,))) for m, _ in measures]
+            train = [r["dora_over_lora"].get(m) for r in group for m in bench_model.TRAIN_MEASURES]
+            train = [v for v in train if v is not None]
+            cells.append(f"{statistics.median(train):.2f}" if train else "–")
+            cells.append(worst(group, lambda r: [(r["speedup_vs_upstream_train"], "train")], min))
+            lines.append(f"| {shape} | {mode} | " + " | ".join(cells) + " |")
+    head = bench_model.grid_headline_values(doc)
+    lines += ["", "Headline (`headline.json`): " + ", ".join(f"`{k}` {v}" for k, v in head.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
 KERNEL_BEGIN, KERNEL_END = markers("kernels")
 KERNELS = (("compose", "compose"), ("fwd_inner", "forward-and-inner"), ("backward", "backward (with d_mag)"))
 
@@ -181,6 +233,8 @@ def main(argv=None) -> int:
     doc = json.loads(Path(args.json).read_text())
     if "shapes" in doc:  # a bench_kernels.py result
         table, table_markers = render_kernels(doc), (KERNEL_BEGIN, KERNEL_END)
+    elif doc["config"].get("grid"):
+        table, table_markers = render_grid(doc), markers(args.marker)
     else:
         table = render(doc, [int(r) for r in args.ranks.split(",")] if args.ranks else None)
         table_markers = markers(args.marker)

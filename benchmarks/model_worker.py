@@ -111,17 +111,18 @@ def _gen(device: torch.device, *key) -> torch.Generator:
 
 
 @torch.no_grad()
-def seed_adapters(model, seed: int, init_range: float, zero_b: bool = False) -> None:
-    """Overwrite A, B and the magnitudes with values drawn per module name, identical in every implementation.
+def seed_adapters(model, seed: int, init_range: float, zero_b: bool = False, adapter: str = "default") -> None:
+    """Overwrite A, B and the magnitudes with values drawn per module name, identical in every implementation (and
+    in every adapter of one model: a plain-LoRA twin gets the DoRA adapter's A and B).
 
     A ~ N(0, 1/d_in); B sized so that ``s·B·A·x`` is about a tenth of ``W·x`` (never zeros: they time faster and
     hide errors); the magnitude is the fp32 row norm of W times (1 + 0.1·N(0, 1)), so ``g`` differs from 1.
     """
     for name, module in sorted(model.named_modules()):
-        if not hasattr(module, "lora_A") or "default" not in module.lora_A:
+        if not hasattr(module, "lora_A") or adapter not in module.lora_A:
             continue
-        a = module.lora_A["default"].weight
-        b = module.lora_B["default"].weight
+        a = module.lora_A[adapter].weight
+        b = module.lora_B[adapter].weight
         dev = a.device
         r, d_in = a.shape
         a.copy_(torch.randn(a.shape, generator=_gen(dev, seed, name, "A"), device=dev) / math.sqrt(d_in))
@@ -131,8 +132,8 @@ def seed_adapters(model, seed: int, init_range: float, zero_b: bool = False) -> 
             std = 0.2 * init_range * math.sqrt(d_in) / r
             b.copy_(torch.randn(b.shape, generator=_gen(dev, seed, name, "B"), device=dev) * std)
         mags = getattr(module, "lora_magnitude_vector", None)
-        if mags is not None and "default" in mags and not zero_b:
-            m = mags["default"].weight
+        if mags is not None and adapter in mags and not zero_b:
+            m = mags[adapter].weight
             w = module.get_base_layer().weight
             noise = torch.randn(m.shape, generator=_gen(dev, seed, name, "m"), device=dev)
             m.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 0.1 * noise))
@@ -147,14 +148,26 @@ def nudge_magnitudes(model) -> None:
             p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
 
 
-def wrap(base, cfg: dict, rank: int, impl: dict, mode: str):
-    """``get_peft_model`` in the precision mode: autocast = fp32 adapters on a bf16 base; bf16/fp32 = one dtype."""
-    from peft import LoraConfig, get_peft_model
+def lora_config(rank: int, dora: bool, targets=TARGETS, dropout: float = 0.0):
+    from peft import LoraConfig
 
-    lora_config = LoraConfig(
-        r=rank, lora_alpha=rank / 2, use_rslora=True, use_dora=impl["dora"], target_modules=TARGETS
+    return LoraConfig(
+        r=rank,
+        lora_alpha=rank / 2,
+        use_rslora=True,
+        use_dora=dora,
+        target_modules=list(targets),
+        lora_dropout=dropout,
     )
-    model = get_peft_model(base, lora_config, autocast_adapter_dtype=(mode == "autocast"))
+
+
+def wrap(base, cfg: dict, rank: int, impl: dict, mode: str, targets=TARGETS, dropout: float = 0.0):
+    """``get_peft_model`` in the precision mode: autocast = fp32 adapters on a bf16 base; bf16/fp32 = one dtype."""
+    from peft import get_peft_model
+
+    config = lora_config(rank, impl["dora"], targets, dropout)
+    with torch.device(base.device):  # adapters initialised where they live (on the CPU, r 768 takes seconds)
+        model = get_peft_model(base, config, autocast_adapter_dtype=(mode == "autocast"))
     if mode == "bf16":
         model = model.to(torch.bfloat16)
     elif mode == "fp32":
@@ -183,6 +196,72 @@ def release(*objs) -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gradient proof: a timed training step must have trained.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def param_kind(name: str) -> str:
+    if "lora_magnitude_vector" in name:
+        return "magnitude"
+    return "lora_A" if "lora_A" in name else "lora_B" if "lora_B" in name else "other"
+
+
+def _finite(x: float):
+    return x if math.isfinite(x) else None
+
+
+def grad_check(named_params: list) -> dict:
+    """The gradients of ``named_params`` (the trainable tensors) after a step: the names of those missing, zero or
+    non-finite, the global norm and the norm per kind (lora_A, lora_B, magnitude). One host sync."""
+    present = [(n, p.grad) for n, p in named_params if p.grad is not None]
+    bad = [n for n, p in named_params if p.grad is None]
+    norms = []
+    if present:
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for _, g in present]).tolist()
+    squares: dict = {}
+    for (name, _), norm in zip(present, norms):
+        if not math.isfinite(norm) or norm == 0.0:
+            bad.append(name)
+        squares[param_kind(name)] = squares.get(param_kind(name), 0.0) + norm * norm
+    return {
+        "bad": bad,
+        "norm": _finite(math.sqrt(sum(squares.values()))),
+        "norm_by_kind": {k: _finite(math.sqrt(v)) for k, v in sorted(squares.items())},
+    }
+
+
+class GradProof:
+    """Run after every training step (warm-up included): each trainable tensor's gradient must be present, finite and
+    non-zero. A published throughput record was once a run whose gradients were all zero; a record that fails here
+    says ``ok: false`` and the parent leaves it out of every headline."""
+
+    def __init__(self, model):
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.steps, self.bad, self.last = 0, [], None
+
+    def __call__(self) -> None:
+        self.last = grad_check(self.params)
+        self.steps += 1
+        self.bad += [n for n in self.last["bad"] if n not in self.bad]
+
+    def result(self) -> dict:
+        """The proof of the steps since the last result: ``ok``, the steps and tensors checked, the bad tensors (count,
+        first names) and the last step's global and per-kind gradient norms."""
+        last = self.last or {"norm": None, "norm_by_kind": {}}
+        out = {
+            "ok": bool(self.steps and self.params and not self.bad),
+            "steps": self.steps,
+            "tensors": len(self.params),
+            "bad_tensors": len(self.bad),
+            "bad_names": self.bad[:8],
+            "grad_norm": last["norm"],
+            "grad_norm_by_kind": last["norm_by_kind"],
+        }
+        self.steps, self.bad, self.last = 0, [], None
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -220,15 +299,18 @@ def summary(samples: list) -> dict:
     }
 
 
-def measure(fn, device, warmup: int, repeats: int, before=None) -> dict:
+def measure(fn, device, warmup: int, repeats: int, before=None, after=None) -> dict:
     """Run ``fn`` ``warmup`` times, then time it ``repeats`` times; peak memory over the static allocation.
 
-    ``before`` (untimed) runs ahead of every call, e.g. to drop gradients so each step allocates them afresh.
+    ``before`` (untimed) runs ahead of every call, e.g. to drop gradients so each step allocates them afresh;
+    ``after`` (untimed) after every call, e.g. to check the gradients the step produced.
     """
     for _ in range(warmup):
         if before:
             before()
         fn()
+        if after:
+            after()
     if before:
         before()
     gc.collect()
@@ -244,6 +326,8 @@ def measure(fn, device, warmup: int, repeats: int, before=None) -> dict:
             before()
         with timer.region(samples):
             fn()
+        if after:
+            after()
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() - static
     tiers = _delta(counts0, tier_counts())
@@ -289,10 +373,13 @@ def speed_rank(model, cfg, mode, device, measures, warmup, repeats, compile_mode
             loss.backward()
 
     model.train()
+    proof = GradProof(model)
     if "train" in measures:
-        results["train"] = measure(train_step, device, warmup, repeats, before=zero)
+        results["train"] = measure(train_step, device, warmup, repeats, before=zero, after=proof)
+        results["train"]["grad_proof"] = proof.result()
     if "train_accum4" in measures:
-        results["train_accum4"] = measure(train_accum, device, max(1, warmup - 1), repeats, before=zero)
+        results["train_accum4"] = measure(train_accum, device, max(1, warmup - 1), repeats, before=zero, after=proof)
+        results["train_accum4"]["grad_proof"] = proof.result()
     zero()
     if "step_accum4" in measures:
         # A whole optimizer step: 4 micro-steps with checkpointing, then AdamW, which changes A, B and m in place;
@@ -361,26 +448,32 @@ def decode_paired(model, cfg, rank, mode, device, pairs: int) -> dict:
                 generate_exactly(m, prompt, new)
         return (gen[0] - pre[0]) / new
 
-    for m in models.values():  # warm-up: compile, plans, caches
-        per_token(m)
+    out = alternate("decode_per_token_paired", {name: lambda m=m: per_token(m) for name, m in models.items()}, pairs)
+    model.train()
+    del models, twin
+    release()
+    return out
+
+
+def alternate(measure_name: str, timings: dict, pairs: int) -> dict:
+    """A paired record: ``timings["dora"]()`` and ``timings["lora"]()`` (each returns ms) after one warm-up call
+    each, then ``pairs`` times in ABBA order; DoRA's samples, LoRA's, and every pair's DoRA/LoRA ratio."""
+    for fn in timings.values():  # warm-up: compile, plans, caches
+        fn()
     times = {"dora": [], "lora": []}
     counts0 = tier_counts()
     for k in range(pairs):
         for name in ("dora", "lora") if k % 2 == 0 else ("lora", "dora"):
-            times[name].append(per_token(models[name]))
-    tiers = _delta(counts0, tier_counts())
+            times[name].append(timings[name]())
     ratios = [d / lo for d, lo in zip(times["dora"], times["lora"])]
-    out = {"measure": "decode_per_token_paired", **summary(times["dora"])}
+    out = {"measure": measure_name, **summary(times["dora"])}
     out.update(
         lora_median_ms=statistics.median(times["lora"]),
         lora_samples_ms=[round(t, 4) for t in times["lora"]],
         pair_ratios=[round(r, 4) for r in ratios],
         ratio_median=statistics.median(ratios),
-        tiers=tiers,
+        tiers=_delta(counts0, tier_counts()),
     )
-    model.train()
-    del models, twin
-    release()
     return out
 
 
@@ -453,6 +546,103 @@ def task_speed(spec, impl, cfg, device, records: list, flush) -> list:
     return records
 
 
+TWIN = "lora_twin"  # the plain-LoRA adapter beside a grid point's DoRA adapter, for paired decode
+
+
+def decode_step_paired(model, cfg, point: dict, device, pairs: int, steps: int) -> dict:
+    """1-token decode of the DoRA adapter against a plain-LoRA twin adapter on the same base model (same seeded A and
+    B; this package's LoRA path, which the overlay leaves as upstream's), in ABBA pairs (:func:`alternate`). Each
+    side prefills the point's batch and sequence into its own KV cache once, then times ``steps`` forwards of one
+    token per call, each extending that cache; a pair's ratio is that of the two medians. Decode is host-bound, and
+    subprocesses minutes apart see different host speeds; two adapters timed back to back see the same."""
+    mode = point["mode"]
+    twin = lora_config(point["rank"], False, point["modules"], point["dropout"])
+    with torch.device(model.device):
+        model.add_adapter(TWIN, twin, autocast_adapter_dtype=(mode == "autocast"))
+    if mode == "bf16":
+        model.to(torch.bfloat16)
+    seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"], adapter=TWIN)
+    model.eval()
+    ids, _ = make_inputs(cfg, device)
+    token, timer = ids[:, :1], Timer(device)
+    kv, caches = cache_kwarg(model), {}
+
+    @torch.no_grad()
+    def step_ms(adapter: str) -> float:
+        from transformers import DynamicCache
+
+        model.set_adapter(adapter)
+        times = []
+        with precision_ctx(mode, device):
+            if adapter not in caches:  # the first (warm-up) call prefills
+                caches[adapter] = DynamicCache(config=model.config)
+                model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kv: caches[adapter]})
+            for _ in range(steps):
+                with timer.region(times):
+                    model(input_ids=token, use_cache=True, **{kv: caches[adapter]})
+        return statistics.median(times)
+
+    out = alternate("decode_step_paired", {"dora": lambda: step_ms("default"), "lora": lambda: step_ms(TWIN)}, pairs)
+    model.set_adapter("default")
+    model.train()
+    caches.clear()
+    return out
+
+
+def cache_kwarg(model) -> str:
+    """The causal LM forward's name for its KV cache: ``cache`` from transformers 5.24 on, ``past_key_values`` before
+    (that name is removed in 5.40)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.get_base_model().forward).parameters else "past_key_values"
+
+
+def task_grid(spec, impl, device, records: list, errors: list, flush) -> list:
+    """The grid's points, one model shape after the other (:func:`grid_shape`)."""
+    for shape, cfg in spec["grid"]["models"].items():
+        points = [p for p in spec["grid"]["points"] if p["shape"] == shape]
+        grid_shape(spec, impl, device, cfg, points, records, errors, flush)
+        release()  # the shape's base model is gone with grid_shape's frame
+    return records
+
+
+def grid_shape(spec, impl, device, cfg: dict, points: list, records: list, errors: list, flush) -> None:
+    """One model shape's grid points. Its base model is built once; each point wraps it with fresh adapters
+    (targets, rank, dropout, precision mode), takes its measures and unloads them again, so that no adapter, hook or
+    cached norm of one point reaches the next. A point that fails is reported and the next one runs."""
+    grid = spec["grid"]
+    base = build_base(cfg, device, torch.bfloat16)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for point in points:
+        t0, model = time.perf_counter(), None
+        pcfg = dict(cfg, seq=point["seq"], batch=point["batch"], loss_tokens=point["seq"] // 4)
+        measures = [m for m in spec["measures"] if m != "train_accum4" or point["accum4"]]
+        try:
+            model = wrap(base, pcfg, point["rank"], impl, point["mode"], point["modules"], point["dropout"])
+            seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
+            res = speed_rank(model, pcfg, point["mode"], device, measures, spec["warmup"], spec["repeats"])
+            if "decode_step_paired" in measures:
+                res["decode_step_paired"] = decode_step_paired(model, pcfg, point, device, **grid["decode"])
+            where = {k: point[k] for k in ("mode", "rank", "shape", "seq", "batch", "targets", "dropout")}
+            for name, r in res.items():
+                records.append({"impl": impl["name"], "point": point["label"], **where, **r, "measure": name})
+            line = ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in res.items())
+            print(f"[{impl['name']}] {point['label']}: {line} ms ({time.perf_counter() - t0:.1f} s)", flush=True)
+        except Exception:
+            err = traceback.format_exc()
+            print(err, file=sys.stderr, flush=True)
+            errors.append({"task": "speed", "point": point["label"], "error": err[-3000:]})
+        finally:
+            if model is not None:
+                base = model.unload()
+                base.disable_input_require_grads()  # PEFT hooks the input embeddings at every wrap
+                del model
+            release()
+            flush()
+        if any(hasattr(m, "lora_A") for m in base.modules()):
+            raise RuntimeError(f"adapter layers left on the base model after {point['label']}")
+
+
 def _sample(t: torch.Tensor, k: int) -> torch.Tensor:
     """``k`` evenly spaced elements of the flattened tensor (all of it when smaller or ``k`` is 0), fp32, CPU."""
     flat = t.detach().reshape(-1)
@@ -485,7 +675,7 @@ def task_fidelity(spec, impl, cfg, device, workdir: Path) -> dict:
         for name, p in sorted(model.named_parameters()):
             if p.grad is None:
                 continue
-            kind = "magnitude" if "lora_magnitude_vector" in name else "lora_A" if "lora_A" in name else "lora_B"
+            kind = param_kind(name)
             full = kind == "magnitude"  # [d_out] per module: small enough to keep whole
             grads[kind].append(p.grad.float().reshape(-1).cpu() if full else _sample(p.grad, fid["grad_sample"]))
         payload = {
@@ -704,8 +894,14 @@ def main(spec_path: str) -> int:
     def flush():
         Path(spec["result"]).write_text(json.dumps(result))
 
+    def speed():
+        records = result.setdefault("speed", [])
+        if "grid" in spec:
+            return task_grid(spec, impl, device, records, result["errors"], flush)
+        return task_speed(spec, impl, cfg, device, records, flush)
+
     tasks = {
-        "speed": lambda: task_speed(spec, impl, cfg, device, result.setdefault("speed", []), flush),
+        "speed": speed,
         "fidelity": lambda: task_fidelity(spec, impl, cfg, device, workdir),
         "convergence": lambda: task_convergence(spec, impl, cfg, device),
         "profile": lambda: task_profile(spec, impl, cfg, device),

@@ -1,4 +1,5 @@
-"""Plots for ``bench_model.py`` JSON: step times, peak memory and convergence, as PNGs.
+"""Plots for ``bench_model.py`` JSON: step times, peak memory and convergence, as PNGs; for a grid run, heatmaps of
+ours fused / plain LoRA per measure (rank x sequence, a panel per shape and precision mode).
 
 python benchmarks/plot_model.py benchmarks/results/model_llama.json [--out-dir DIR]
 """
@@ -31,6 +32,8 @@ def _title(doc: dict, what: str) -> str:
     env, cfg = doc["env"], doc["config"]
     ck = cfg["model"]["config_kwargs"]
     head = f"{what}: {cfg['preset']} {ck['num_hidden_layers']}L h{ck['hidden_size']} seq {cfg['model']['seq']}"
+    if cfg.get("grid"):
+        head = f"{what}: grid '{cfg['grid']['name']}', {len(cfg['grid']['points'])} points"
     if cfg.get("compile"):
         head += f", torch.compile(mode={cfg['compile']!r})"
     if doc["kind"] != "gpu":
@@ -180,8 +183,81 @@ def plot_ratios(doc: dict, path: Path) -> Path | None:
     return path
 
 
+GRID_PANELS = (  # measure (or the upstream speed-up), file suffix, label, target, is a larger value worse
+    ("train", "train", "training step, ours fused / LoRA", 1.10, True),
+    ("train_accum4", "train_accum4", "x4 accumulation step, ours fused / LoRA", 1.10, True),
+    ("infer", "infer", "inference forward, ours fused / LoRA", 1.05, True),
+    ("decode_step_paired", "decode", "1-token decode (paired in one process), ours fused / LoRA", 1.10, True),
+    ("speedup_vs_upstream_train", "speedup_vs_upstream", "training step, upstream DoRA / ours fused", 1.3, False),
+)
+
+
+def plot_grid(doc: dict, out_dir: Path, stem: str) -> list:
+    """One PNG per measure: a heatmap per (precision mode, shape), rank down, sequence across; a cell holding several
+    points (batch, targets, dropout) shows the worst of them and how many there are. Red: past the target."""
+    import bench_model  # beside this file; it imports this module only inside a function
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    rows = bench_model.grid_ratios(doc)
+    shapes = list(dict.fromkeys(r["point"]["shape"] for r in rows))
+    modes = [m for m in ("autocast", "bf16") if any(r["point"]["mode"] == m for r in rows)]
+    ranks = sorted({r["point"]["rank"] for r in rows})
+    seqs = sorted({r["point"]["seq"] for r in rows})
+    made = []
+    for key, suffix, label, target, larger_worse in GRID_PANELS:
+
+        def value(row):
+            return row.get(key, row["dora_over_lora"].get(key))
+
+        if not any(value(r) is not None for r in rows):
+            continue
+        worst = max if larger_worse else min
+        norm = TwoSlopeNorm(vcenter=target, vmin=0.8, vmax=1.6) if larger_worse else TwoSlopeNorm(target, 1.0, 4.0)
+        cmap = "RdYlGn_r" if larger_worse else "RdYlGn"
+        size = (3.3 * len(shapes) + 1.2, 2.9 * len(modes) + 0.6)
+        fig, axes = plt.subplots(len(modes), len(shapes), figsize=size, squeeze=False, layout="constrained")
+        for i, mode in enumerate(modes):
+            for j, shape in enumerate(shapes):
+                ax = axes[i][j]
+                grid = np.full((len(ranks), len(seqs)), np.nan)
+                counts = np.zeros_like(grid, dtype=int)
+                for r in rows:
+                    p, v = r["point"], value(r)
+                    if p["shape"] != shape or p["mode"] != mode or v is None:
+                        continue
+                    y, x = ranks.index(p["rank"]), seqs.index(p["seq"])
+                    grid[y, x] = v if np.isnan(grid[y, x]) else worst(grid[y, x], v)
+                    counts[y, x] += 1
+                image = ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto")
+                for (y, x), v in np.ndenumerate(grid):
+                    if not np.isnan(v):
+                        text = f"{v:.2f}" + (f"\n({counts[y, x]})" if counts[y, x] > 1 else "")
+                        bad = v > target if larger_worse else v < target
+                        ax.text(x, y, text, ha="center", va="center", fontsize=7, weight="bold" if bad else "normal")
+                ax.set_xticks(range(len(seqs)), [str(s) for s in seqs], fontsize=7)
+                ax.set_yticks(range(len(ranks)), [f"r{r}" for r in ranks], fontsize=7)
+                ax.set_title(f"{shape}, {mode}", fontsize=9)
+                if i == len(modes) - 1:
+                    ax.set_xlabel("sequence", fontsize=8)
+        fig.colorbar(image, ax=axes, shrink=0.8, label=f"target {target}")
+        legend = "worst point per cell (n: points in it), bold: misses the target"
+        fig.suptitle(f"{_title(doc, label)}\n{legend}", fontsize=9)
+        path = out_dir / f"{stem}_{suffix}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
 def plot_all(doc: dict, out_dir: Path, stem: str) -> list:
     out_dir.mkdir(parents=True, exist_ok=True)
+    if doc["config"].get("grid"):
+        return plot_grid(doc, out_dir, stem)
     made = [
         plot_speed(doc, out_dir / f"{stem}_time.png", "median_ms", "ms (median, min–max)", "time"),
         plot_speed(doc, out_dir / f"{stem}_memory.png", "peak_delta_mb", "peak − static, MB", "peak memory"),

@@ -1,0 +1,218 @@
+"""The model benchmark's grid (``bench_model.py --grid``): its design, its split into device calls, the worst-case
+headline, and the gradient proof that every timed training step must pass."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from dora_testing import REPO_ROOT
+
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import bench_model  # noqa: E402
+import model_worker  # noqa: E402
+
+
+def _cfg(*extra):
+    return bench_model.resolve_config(bench_model.parse_args(["--grid", "default", *extra]))
+
+
+def test_default_grid_has_40_points_and_every_axis_extreme():
+    points = _cfg()["grid"]["points"]
+    assert len(points) >= 40
+    assert len({p["label"] for p in points}) == len(points)
+    axes = {key: {p[key] for p in points} for key in ("shape", "mode", "rank", "seq", "batch", "targets", "dropout")}
+    assert axes["shape"] == {"llama1b", "llama3b", "llama8b", "qwen1.5b"}
+    assert axes["mode"] == {"autocast", "bf16"}
+    assert (min(axes["rank"]), max(axes["rank"])) == (8, 768)
+    assert (min(axes["seq"]), max(axes["seq"])) == (512, 4096)
+    assert (min(axes["batch"]), max(axes["batch"])) == (1, 8)
+    assert axes["targets"] == {"qv", "all"} and axes["dropout"] == {0.0, 0.05}
+    assert any(p["accum4"] for p in points) and all(p["batch"] * p["seq"] <= 8192 for p in points)
+    # what people run is over-represented: small ranks, short sequences, dropout 0.05, autocast
+    for common in (lambda p: p["rank"] <= 64, lambda p: p["seq"] <= 2048, lambda p: p["dropout"] == 0.05,
+                   lambda p: p["mode"] == "autocast"):  # fmt: skip
+        assert sum(map(common, points)) > len(points) / 2
+    assert {tuple(p["modules"]) for p in points} == {("q_proj", "v_proj"), bench_model.PROJECTIONS}
+
+
+def test_grid_runs_in_interleaved_rounds_within_three_device_calls():
+    cfg = _cfg()
+    order = [(j["round"], j["impl"]) for j in bench_model.plan_jobs(cfg)]
+    assert order == [(0, "upstream"), (0, "ours_fused"), (0, "lora"), (1, "lora"), (1, "ours_fused")]
+    calls = bench_model.plan_calls(cfg)
+    assert 1 <= len(calls) <= 3 and all(c["s"] <= bench_model.CALL_BUDGET_S for c in calls)
+    assert sorted(s for c in calls for s in c["shapes"]) == sorted(bench_model.GRID_SHAPES)
+    command = bench_model.call_command("default", calls[0], 1)
+    assert f"--grid-shapes {','.join(calls[0]['shapes'])}" in command and len(command) < 2000
+    one = _cfg("--grid-shapes", "llama8b", "--modes", "bf16")["grid"]["points"]
+    assert {(p["shape"], p["mode"]) for p in one} == {("llama8b", "bf16")}
+    assert bench_model.grid_measures(cfg, "upstream") == ["train"]
+    assert "decode_step_paired" in bench_model.grid_measures(cfg, "ours_fused")
+    with pytest.raises(SystemExit, match="--grid"):
+        _cfg("--ranks", "8")
+
+
+def _point(shape, mode, rank, accum4=False):
+    where = dict(shape=shape, mode=mode, rank=rank, seq=512, batch=1, targets="all", dropout=0.05)
+    return dict(where, label=bench_model.point_label(**where), modules=list(bench_model.PROJECTIONS), accum4=accum4)
+
+
+def _rec(impl, point, measure, ms, rnd=0, ok=True, **extra):
+    rec = {"impl": impl, "point": point["label"], "mode": point["mode"], "rank": point["rank"], "measure": measure,
+           "median_ms": ms, "min_ms": ms, "max_ms": ms, "samples_ms": [ms], "round": rnd, **extra}  # fmt: skip
+    if measure in bench_model.TRAIN_MEASURES:
+        rec["grad_proof"] = {"ok": ok, "bad_names": [] if ok else ["lora_B.default.weight"]}
+    return rec
+
+
+def _grid_doc(points, records):
+    cfg = {"grid": {"name": "default", "points": points, "models": {}}, "modes": ["autocast", "bf16"]}
+    return {"kind": "gpu", "env": {"gpu": "G"}, "config": cfg, "speed": bench_model.collapse_rounds(records)}
+
+
+def _point_records(point, ours, lora, upstream, decode, rounds=(0, 1)):
+    """ours/lora: per-round train times (infer = train / 4, accum = 4 x train); decode: the pair ratios."""
+    recs = [_rec("upstream", point, "train", upstream)]
+    for k in rounds:
+        for impl, ms in (("ours_fused", ours[k]), ("lora", lora[k])):
+            recs += [_rec(impl, point, "train", ms, k), _rec(impl, point, "infer", ms / 4, k)]
+            if point["accum4"]:
+                recs.append(_rec(impl, point, "train_accum4", 4 * ms, k))
+        recs.append(_rec("ours_fused", point, "decode_step_paired", 10.0, k, pair_ratios=decode, ratio_median=decode[0],
+                         lora_median_ms=10.0))  # fmt: skip
+    return recs
+
+
+def test_headline_is_the_worst_point_per_measure_and_mode():
+    a = _point("llama1b", "autocast", 8, accum4=True)
+    b = _point("llama8b", "autocast", 64)
+    c = _point("llama8b", "bf16", 768)
+    records = (
+        _point_records(a, ours=[12.0, 11.0], lora=[10.0, 10.0], upstream=30.0, decode=[1.02])  # 1.2, 1.1: 1.15
+        + _point_records(b, ours=[10.5, 30.0], lora=[10.0, 25.0], upstream=21.0, decode=[1.08])  # 1.05, 1.2: 1.125
+        + _point_records(c, ours=[13.0, 13.0], lora=[10.0, 10.0], upstream=52.0, decode=[0.97])  # 1.3
+    )
+    head = bench_model.headline_values(_grid_doc([a, b, c], records))
+    assert head["grid_points"] == 3
+    assert head["grid_worst_dora_over_lora_train"] == pytest.approx(1.15)
+    assert head["grid_worst_dora_over_lora_train_at"].startswith(a["label"])  # its step and accum4 step tie
+    assert head["grid_worst_dora_over_lora_train_bf16"] == pytest.approx(1.3)
+    assert head["grid_worst_dora_over_lora_infer"] == pytest.approx(1.15)
+    assert head["grid_worst_dora_over_lora_infer_bf16_at"] == c["label"]
+    assert head["grid_worst_dora_over_lora_decode"] == pytest.approx(1.08)  # over both modes
+    assert head["grid_worst_dora_over_lora_decode_at"] == b["label"]
+    assert head["grid_median_dora_over_lora_train"] == pytest.approx(1.15)  # of 1.15, 1.15 (accum4), 1.125, 1.3
+    # upstream ran once: its time over the median of ours' rounds; smallest at b (21 / 20.25)
+    assert head["grid_worst_speedup_vs_upstream_train"] == pytest.approx(21 / 20.25, abs=1e-4)
+    assert head["grid_worst_speedup_vs_upstream_train_at"] == b["label"]
+
+
+def test_a_record_that_failed_its_gradient_proof_leaves_the_headline(tmp_path, capsys):
+    a = _point("llama1b", "autocast", 8)
+    b = _point("llama3b", "autocast", 16)
+    records = _point_records(a, ours=[20.0, 20.0], lora=[10.0, 10.0], upstream=40.0, decode=[1.0])
+    records += _point_records(b, ours=[11.0, 11.0], lora=[10.0, 10.0], upstream=40.0, decode=[1.0])
+    records[1]["grad_proof"] = {"ok": False, "bad_names": ["lora_A.default.weight"]}  # a's round-0 DoRA step
+    assert records[1]["impl"] == "ours_fused" and records[1]["measure"] == "train"
+    doc = _grid_doc([a, b], records)
+    head = bench_model.headline_values(doc)
+    assert head["grid_worst_dora_over_lora_train"] == pytest.approx(1.1)  # a's 2.0 is not a measurement
+    assert head["grid_worst_dora_over_lora_train_at"] == b["label"] and head["grid_points"] == 1
+    assert len(bench_model.proof_failures(doc)) == 1
+    path = tmp_path / "headline.json"
+    path.write_text('{"by_hand": 1}')
+    bench_model.update_headline(doc, path)
+    assert "gradient proof failed" in capsys.readouterr().err
+    written = json.loads(path.read_text())
+    assert written["by_hand"] == 1 and written["grid_worst_dora_over_lora_train"] == pytest.approx(1.1)
+    # a grid training record without any proof fails too
+    del records[1]["grad_proof"]
+    assert not bench_model.proof_ok(bench_model.collapse_rounds(records[1:2])[0])
+
+
+def test_headline_refuses_cpu_grid_numbers(tmp_path):
+    a = _point("llama1b", "autocast", 8)
+    doc = dict(_grid_doc([a], _point_records(a, [11.0, 11.0], [10.0, 10.0], 30.0, [1.0])), kind="cpu_smoke")
+    with pytest.raises(SystemExit, match="cpu_smoke"):
+        bench_model.update_headline(doc, tmp_path / "headline.json")
+
+
+def test_merge_joins_the_grids_of_several_calls():
+    a, b = _point("llama8b", "autocast", 8), _point("llama1b", "bf16", 64)
+    docs = []
+    for p in (a, b):
+        doc = _grid_doc([p], _point_records(p, [11.0, 11.0], [10.0, 10.0], 30.0, [1.0]))
+        doc.update(runs=[], impls={}, fidelity={}, convergence={"losses": {}}, profile={}, errors=[], skipped=[])
+        doc["config"].update(ranks=[p["rank"]], impls=[], measures=[], tasks=["speed"])
+        doc["config"]["grid"]["models"] = {p["shape"]: {}}
+        docs.append(doc)
+    merged = bench_model.merge_docs(docs)
+    assert [p["label"] for p in merged["config"]["grid"]["points"]] == [a["label"], b["label"]]
+    assert set(merged["config"]["grid"]["models"]) == {"llama8b", "llama1b"}
+    assert bench_model.headline_values(merged)["grid_points"] == 2
+
+
+def _adapter_params():
+    """Named parameters as a LoRA/DoRA model has them, each with a gradient."""
+    names = ("lora_A.default.weight", "lora_B.default.weight", "lora_magnitude_vector.default.weight")
+    params = [(f"q_proj.{n}", torch.nn.Parameter(torch.ones(4, 3))) for n in names]
+    for _, p in params:
+        p.grad = torch.full_like(p, 0.5)
+    return params
+
+
+def test_gradient_proof_passes_real_gradients_and_keeps_their_norms():
+    proof = model_worker.GradProof(torch.nn.Module())
+    proof.params = _adapter_params()
+    proof()
+    proof()
+    result = proof.result()
+    assert result["ok"] and result["steps"] == 2 and result["tensors"] == 3 and result["bad_tensors"] == 0
+    assert result["grad_norm_by_kind"] == pytest.approx({"lora_A": 3**0.5, "lora_B": 3**0.5, "magnitude": 3**0.5})
+    assert result["grad_norm"] == pytest.approx(3.0)  # twelve elements of 0.5 per tensor, three tensors
+
+
+@pytest.mark.parametrize("broken", ["zero", "nan", "inf", "missing"])
+def test_gradient_proof_fails_a_step_that_did_not_train(broken):
+    proof = model_worker.GradProof(torch.nn.Module())
+    proof.params = _adapter_params()
+    proof()  # a good step first: one bad step fails the record
+    grad = proof.params[1][1]
+    if broken == "missing":
+        grad.grad = None
+    else:
+        grad.grad.fill_({"zero": 0.0, "nan": float("nan"), "inf": float("inf")}[broken])
+    proof()
+    result = proof.result()
+    assert not result["ok"] and result["bad_tensors"] == 1
+    assert result["bad_names"] == ["q_proj.lora_B.default.weight"]
+    assert model_worker.GradProof(torch.nn.Module()).result()["ok"] is False  # no step, no trainable tensor: no proof
+
+
+def test_gradient_proof_checks_every_timed_step_of_a_real_model():
+    """``speed_rank`` proves each training step of a small wrapped model; with B = 0 (PEFT's init, A's gradient is
+    then zero) the proof fails."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    model.lora_A = torch.nn.Linear(8, 2, bias=False)
+    model.lora_B = torch.nn.Linear(2, 8, bias=False)
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    x = torch.randn(4, 8)
+
+    def step():
+        (model[0](x) + model.lora_B(model.lora_A(x))).square().sum().backward()
+
+    zero = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
+    proof = model_worker.GradProof(model)
+    model_worker.measure(step, torch.device("cpu"), 1, 2, before=zero, after=proof)
+    assert proof.result() | {"grad_norm": None, "grad_norm_by_kind": None} == {
+        "ok": True, "steps": 3, "tensors": 2, "bad_tensors": 0, "bad_names": [], "grad_norm": None,
+        "grad_norm_by_kind": None,
+    }  # fmt: skip
+    torch.nn.init.zeros_(model.lora_B.weight)
+    model_worker.measure(step, torch.device("cpu"), 1, 2, before=zero, after=proof)
+    assert proof.result()["bad_names"] == ["lora_A.weight"]
