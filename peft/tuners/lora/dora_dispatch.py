@@ -256,9 +256,10 @@ class LinearGates:
 
     ``grad``: autograd records the output (grad mode on and the input, result, A, B or m requires grad).
     ``fused``: the Triton tiers may run (settings, Triton and device; raises where PEFT_DORA_FUSED=1 cannot be met;
-    off under torch.compile, which traces PyTorch). ``reuses_factors``: no autograd and the scale ``g`` (and the
-    bias term) may be kept across forwards (eval mode, or PEFT_DORA_NORM_CACHE=1), the way to the ``decode`` and
-    ``small_forward`` tiers. ``decode``: those factors, the plain LoRA branch, few rows, the decode kernels on.
+    off under torch.compile, which traces PyTorch). ``reuses_factors``: no autograd, the scale ``g`` (and the bias
+    term) may be kept across forwards (eval mode, or PEFT_DORA_NORM_CACHE=1) and the output is small enough for the
+    ``decode`` or ``small_forward`` tier. ``decode``: those factors, the plain LoRA branch, few rows, the decode
+    kernels on.
     ``one_node``: a training forward whose plain LoRA branch may go into the output's node.
     """
 
@@ -272,13 +273,15 @@ class LinearGates:
         )
         self.fused = fused = kernels_allowed(result) and not torch.compiler.is_compiling()
         norm_cache = env.norm_cache
-        self.reuses_factors = reuse = (
+        reuse = (
             fused and not grad and magnitude.dim() == 1
             and norm_cache is not False and (norm_cache is True or not training)
         )  # fmt: skip
-        self.decode = (
-            reuse and plain and env.decode_kernels and result.numel() <= DECODE_MAX_ROWS * result.shape[-1]
+        numel = result.numel()
+        self.decode = decode = (
+            reuse and plain and env.decode_kernels and numel <= DECODE_MAX_ROWS * result.shape[-1]
         )  # fmt: skip
+        self.reuses_factors = decode or (reuse and numel <= SMALL_FORWARD_NUMEL)  # larger outputs never read them
         self.one_node = grad and fused and plain and env.one_node_branch and env.fused_backward is not False
 
     def small(self, lora: torch.Tensor, result: torch.Tensor) -> bool:

@@ -383,9 +383,10 @@ def test_small_eval_forward_reuses_its_factors(dora_switches, dora_env, monkeypa
             assert_close(peft_model(x), eager(), dtype=dtype)
         monkeypatch.setattr(dispatch, "SMALL_FORWARD_NUMEL", 2 * 3 * 17 - 1)  # x is now "large" for both layers
         monkeypatch.setattr(dispatch, "DECODE_MAX_ROWS", 2 * 3 - 1)
-        dora.tier_counts.clear()
+        dora.tier_counts.clear(), dora.norm_counts.clear()
         peft_model(x)
         assert dora.tier_counts[dora.TIER_FUSED_FORWARD] == 2 and dora.tier_counts[tier] == 0
+        assert not any(k.startswith("scale") for k in dora.norm_counts)  # a large output never asks for the factors
         peft_model.train()
         dora.tier_counts.clear()
         peft_model(x)
