@@ -480,8 +480,8 @@ def test_decode_layout_rejects_what_the_kernels_do_not_compute(case):
 
 def test_decode_tier_in_a_model_and_its_fallbacks(dora_switches, dora_env, monkeypatch):
     """A DoRA model in eval without autograd decodes through the two launches: same output as with them switched off
-    (matmuls and the small forward's ops), in autocast too; a hook on lora_A, autograd, more rows than the decode limit or
-    a training-mode forward take the other paths."""
+    (matmuls and the small forward's ops), in autocast too; a hook on lora_A, autograd, more rows than the decode
+    limit or a training-mode forward take the other paths."""
     from torch import nn
 
     from peft import LoraConfig, get_peft_model

@@ -138,7 +138,8 @@ def test_norm_kernel_dispatch_follows_dtypes_and_switch(dora_env, monkeypatch):
     assert not dora.dora_norm._norm_kernel_applies(bf16, a_f32, b_f32)
     assert not dora.dora_norm._norm_kernel_applies(f32, a_f32, b_f32)
     dora_env("PEFT_DORA_NORM_KERNEL", "1")
-    assert dora.dora_norm._norm_kernel_applies(bf16, a_f32, b_f32) and dora.dora_norm._norm_kernel_applies(f32, a_f32, b_f32)
+    applies = dora.dora_norm._norm_kernel_applies
+    assert applies(bf16, a_f32, b_f32) and applies(f32, a_f32, b_f32)
     dora_env("PEFT_DORA_NORM_KERNEL", "0")
     assert not dora.dora_norm._norm_kernel_applies(bf16, a_bf16, b_bf16)
     dora_env("PEFT_DORA_NORM_KERNEL", None)
