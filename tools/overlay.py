@@ -39,6 +39,16 @@ from .dora import (  # noqa: E402, F401, F811
     DoraLinearVariant,
 )
 """
+# Upstream's docstrings that describe its DoRA where ours differs: (file, upstream's text, ours).
+DOC_EDITS = (
+    (
+        "helpers.py",
+        "With active caching, the materialized LoRA weight (B @ A) and the weight norm (base weight + LoRA weight) are\n"
+        "    cached.",
+        "With active caching, the weight norm of (base weight + LoRA weight) is cached; this DoRA never materializes\n"
+        "    the LoRA weight (B @ A), so there is nothing else to cache.",
+    ),
+)
 GLUE_ANCHORS = ("from .dora import ", "class DoraLinearVariant(", "class DoraEmbeddingVariant(",
                 "class DoraConv1dVariant(", "class DoraConv2dVariant(", "class DoraConv3dVariant(")
 
@@ -54,6 +64,13 @@ def apply_overlay(pkg_dir: Path, ours: Path = upstream.REPO_ROOT / "peft") -> No
         raise RuntimeError(f"{variants} is not upstream PEFT {upstream.UPSTREAM_VERSION}'s: missing {missing}")
     if GLUE.strip() not in text:
         variants.write_text(text.rstrip("\n") + "\n" + GLUE)
+    for rel, before, after in DOC_EDITS:
+        path = pkg_dir / rel
+        text = path.read_text()
+        if after not in text:
+            if before not in text:
+                raise RuntimeError(f"{path} is not upstream PEFT {upstream.UPSTREAM_VERSION}'s: missing {before!r}")
+            path.write_text(text.replace(before, after))
 
 
 def unpack_wheel(wheel: Path, dest: Path) -> Path:
