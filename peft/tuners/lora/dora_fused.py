@@ -11,7 +11,8 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Element-wise DoRA math: the composition, its backward and the norm assembly.
+"""Element-wise DoRA math: the composition, its backward and the norm assembly, as Triton kernels with PyTorch twins,
+the autograd nodes of the training tiers, the ``torch.compile`` op, and the public functions.
 
 With ``g = m / max(w_norm, eps)`` (the per-row scale), ``s`` the LoRA scaling, ``base = W·x`` and ``lora = B·A·x``:
 

@@ -11,7 +11,8 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Triton launches at about half of ``kernel[grid](...)``'s host time.
+"""Whether Triton runs here (``HAS_TRITON``, ``INTERPRET``), and kernel launches at about half of
+``kernel[grid](...)``'s host time (:class:`Launcher`); also the device switch for tensors off the current GPU.
 
 A DoRA layer launches a few small kernels per forward and backward, and on real models the step is host-bound, so
 launch overhead is step time. ``JITFunction.run`` spends 13–21 µs of host time per launch on the H200 machines
