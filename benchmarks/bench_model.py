@@ -638,9 +638,9 @@ def point_cost_s(cfg: dict, point: dict, impl: str) -> float:
         total += (max(1, cfg["warmup"] - 1) + cfg["repeats"]) * 4 * train
     if "infer" in measures:
         total += reps * infer
-    if "decode_step_paired" in measures:  # each side prefills once, then a warm-up pair and the pairs of steps
+    if "decode_step_paired" in measures:  # a warm-up pair, then the pairs: each side prefills, then steps
         decode_cfg = cfg["grid"]["decode"]
-        total += 2 * infer + (decode_cfg["pairs"] + 1) * 2 * decode_cfg["steps"] * decode
+        total += (decode_cfg["pairs"] + 1) * 2 * (infer + decode_cfg["steps"] * decode)
     return total
 
 

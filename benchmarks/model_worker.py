@@ -552,8 +552,10 @@ TWIN = "lora_twin"  # the plain-LoRA adapter beside a grid point's DoRA adapter,
 def decode_step_paired(model, cfg, point: dict, device, pairs: int, steps: int) -> dict:
     """1-token decode of the DoRA adapter against a plain-LoRA twin adapter on the same base model (same seeded A and
     B; this package's LoRA path, which the overlay leaves as upstream's), in ABBA pairs (:func:`alternate`). Each
-    side prefills the point's batch and sequence into its own KV cache once, then times ``steps`` forwards of one
-    token per call, each extending that cache; a pair's ratio is that of the two medians. Decode is host-bound, and
+    side prefills the point's batch and sequence into a fresh KV cache (untimed), then times ``steps`` forwards of one
+    token that extend it; a pair's ratio is that of the two medians. Every call decodes at the same cache lengths:
+    the first forward at a length the process has not seen costs ~20-45 ms more (H100 and H200, either adapter), so
+    a cache grown across calls made whichever side ran first in a pair the slow one. Decode is host-bound, and
     subprocesses minutes apart see different host speeds; two adapters timed back to back see the same."""
     mode = point["mode"]
     twin = lora_config(point["rank"], False, point["modules"], point["dropout"])
@@ -564,28 +566,24 @@ def decode_step_paired(model, cfg, point: dict, device, pairs: int, steps: int) 
     seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"], adapter=TWIN)
     model.eval()
     ids, _ = make_inputs(cfg, device)
-    token, timer = ids[:, :1], Timer(device)
-    kv, caches = cache_kwarg(model), {}
+    token, timer, kv = ids[:, :1], Timer(device), cache_kwarg(model)
 
     @torch.no_grad()
     def step_ms(adapter: str) -> float:
         from transformers import DynamicCache
 
         model.set_adapter(adapter)
-        times = []
+        cache, times = DynamicCache(config=model.config), []
         with precision_ctx(mode, device):
-            if adapter not in caches:  # the first (warm-up) call prefills
-                caches[adapter] = DynamicCache(config=model.config)
-                model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kv: caches[adapter]})
+            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kv: cache})
             for _ in range(steps):
                 with timer.region(times):
-                    model(input_ids=token, use_cache=True, **{kv: caches[adapter]})
+                    model(input_ids=token, use_cache=True, **{kv: cache})
         return statistics.median(times)
 
     out = alternate("decode_step_paired", {"dora": lambda: step_ms("default"), "lora": lambda: step_ms(TWIN)}, pairs)
     model.set_adapter("default")
     model.train()
-    caches.clear()
     return out
 
 
