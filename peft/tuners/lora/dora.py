@@ -292,7 +292,10 @@ class DoraLinearLayer(nn.Module):
 
     def _base_chunks(self, x, weight, lora_result, g, scaling) -> torch.Tensor:
         """Dropout path: ``base = W·dropout(x)`` computed and composed in output slices of PEFT_DORA_FWD_CHUNK_MB."""
-        weight = transpose(weight, self.fan_in_fan_out).to(x.dtype)
+        weight = transpose(weight, self.fan_in_fan_out)
+        if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            # autocast runs the matmul in its own dtype: a cast here would copy W to x's (fp32) dtype every forward
+            weight = weight.to(x.dtype)
         d_out = weight.shape[0]
         row_bytes = max(1, lora_result.numel() // max(d_out, 1)) * lora_result.element_size()
         step = max(1, (dora_settings.current().fwd_chunk_mb * dora_settings.MB) // row_bytes)

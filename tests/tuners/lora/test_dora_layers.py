@@ -351,3 +351,31 @@ def test_summary_names_tiers_norms_and_why_eager(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(dora, "is_triton_available", lambda: False)
     assert "Triton is not installed" in dora.summary()
+
+
+def test_dropout_path_under_autocast_makes_no_weight_sized_copy():
+    """With LoRA dropout the base output of the dropped-out input is one matmul in autocast's dtype: the bf16 weight
+    is not copied to the adapters' fp32 for it and cast back by autocast (two weight-sized copies per forward; the
+    CPU norm's own fp32 copy of W is a different op and is allowed)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48))
+    peft_model = get_peft_model(model, LoraConfig(target_modules=["0"], use_dora=True, lora_dropout=0.1, r=4))
+    for name, p in peft_model.named_parameters():
+        if "lora_" not in name:
+            p.data = p.data.to(torch.bfloat16)
+
+    class WeightCopies(TorchDispatchMode):
+        copies: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and out.shape == (48, 64) and out.dtype == torch.bfloat16:
+                self.copies.append(args[0].dtype)  # a weight-sized cast back into autocast's dtype
+            return out
+
+    x = torch.randn(5, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16), WeightCopies() as mode:
+        peft_model(x).float().sum().backward()
+    assert mode.copies == []

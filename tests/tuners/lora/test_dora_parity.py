@@ -281,10 +281,13 @@ def test_zero_tokens():
     copy.deepcopy(model)(torch.randn(2, 0, 24)).sum().backward()
 
 
-@pytest.mark.parametrize("kind", ["linear", "gpt2_conv1d", "embedding", "conv2d"])
-def test_autocast_mode_is_at_least_as_accurate_as_upstream(kind):
-    # PEFT's default precision: bf16 base weights, fp32 adapters (incl. the magnitude), bf16 autocast.
-    ours = build(kind, bias=True, dropout=0.0)
+@pytest.mark.parametrize(
+    "kind, dropout", [("linear", 0.0), ("gpt2_conv1d", 0.0), ("embedding", 0.0), ("conv2d", 0.0), ("linear", 0.2)]
+)
+def test_autocast_mode_is_at_least_as_accurate_as_upstream(kind, dropout):
+    # PEFT's default precision: bf16 base weights, fp32 adapters (incl. the magnitude), bf16 autocast; with dropout
+    # the base output of the dropped-out input is computed by the matmul in autocast's dtype, as upstream's is.
+    ours = build(kind, bias=True, dropout=dropout)
     for name, p in ours.named_parameters():
         if "lora_" not in name:
             p.data = p.data.to(torch.bfloat16)
