@@ -752,7 +752,10 @@ def kernel_class(name: str) -> str:
 
 
 def _annotate(model) -> None:
-    """Put ``record_function`` ranges around the norm, the composition and the LoRA matmuls (forward side)."""
+    """Put ``record_function`` ranges around our norm (computed, replayed or reused) and composition (the output
+    nodes and kernels, the compose tiers), or around upstream's LoRA matmuls. For ours only class and module
+    attributes are wrapped: a wrapper on a module instance (``lora_A.forward``) would make it a non-plain Linear and
+    change the dispatch being profiled (the LoRA matmuls then run inside the composition's range)."""
     from torch.profiler import record_function
 
     def ranged(label, fn):
@@ -764,21 +767,24 @@ def _annotate(model) -> None:
 
     from peft.tuners.lora import dora
 
-    for cls_name in ("DoraLinearLayer",):
-        cls = getattr(dora, cls_name, None)
-        if cls is not None and not getattr(cls, "_bench_ranged", False):
-            cls.get_weight_norm = ranged("dora.norm", cls.get_weight_norm)
-            if hasattr(cls, "_small_output"):
-                cls._small_output = ranged("dora.compose", cls._small_output)
-            cls._bench_ranged = True
-    for fn_name in ("_compose_with_dispatch", "_output_with_dispatch"):  # the eager/compose and one-pass outputs
-        if hasattr(dora, fn_name):
-            setattr(dora, fn_name, ranged("dora.compose", getattr(dora, fn_name)))
-    for module in model.modules():
-        if hasattr(module, "lora_A") and "default" in module.lora_A:
-            for key, label in (("lora_A", "lora.A"), ("lora_B", "lora.B")):
-                sub = getattr(module, key)["default"]
-                sub.forward = ranged(label, sub.forward)
+    if not hasattr(dora, "factored_row_norm"):  # upstream's PEFT (its DoRA or plain LoRA): the LoRA matmuls
+        for module in model.modules():
+            if hasattr(module, "lora_A") and "default" in module.lora_A:
+                for key, label in (("lora_A", "lora.A"), ("lora_B", "lora.B")):
+                    sub = getattr(module, key)["default"]
+                    sub.forward = ranged(label, sub.forward)
+        return
+    from peft.tuners.lora import dora_fused
+
+    cls = dora.DoraLinearLayer
+    if getattr(cls, "_bench_ranged", False):
+        return
+    cls._forward_norm = ranged("dora.norm", cls._forward_norm)
+    cls._compose = ranged("dora.compose", cls._compose)
+    dora_fused.run_fused_output = ranged("dora.compose", dora_fused.run_fused_output)
+    node = dora_fused.FusedDoRALinearFunction
+    node.apply = ranged("dora.compose", node.apply)  # lora_B's matmul and the output, one node
+    cls._bench_ranged = True
 
 
 def task_profile(spec, impl, cfg, device) -> dict:
