@@ -1291,9 +1291,9 @@ def finish(doc: dict, out_path: Path, plots: bool) -> None:
     doc["warnings"] = tier_warnings(doc)
     write_doc(doc, out_path)
     if plots:
-        import plot_model
+        import report
 
-        for png in plot_model.plot_all(doc, out_path.parent, out_path.stem):
+        for png in report.plot_all(doc, out_path.parent, out_path.stem):
             print(f"wrote {png}")
 
 
