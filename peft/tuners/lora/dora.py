@@ -158,16 +158,17 @@ class DoraLinearLayer(nn.Module):
         self.fan_in_fan_out = fan_in_fan_out
         self.last_tier: Optional[str] = None  # the dispatch tier of the latest forward
         self._reuse = LayerReuse()  # what this layer keeps across forwards; not part of the state_dict
+        self._dora_cache: dict[str, Any] = {}  # ENABLE_DORA_CACHING's values, under upstream's name
 
     def _cache_store(self, key: str, value: Any) -> None:
-        self._reuse.caching[key] = value
+        self._dora_cache[key] = value
 
     def _cache_get(self, key: str, default: Optional[Any]) -> Optional[Any]:
-        return self._reuse.caching.get(key, default)
+        return self._dora_cache.get(key, default)
 
     def _cache_clear(self) -> None:
-        if self._reuse.caching:  # clearing an empty dict is still a mutation to Dynamo (a graph break under checkpoint)
-            self._reuse.caching.clear()
+        if self._dora_cache:  # clearing an empty dict is still a mutation to Dynamo (a graph break under checkpoint)
+            self._dora_cache.clear()
 
     def train(self, mode: bool = True):
         if mode:

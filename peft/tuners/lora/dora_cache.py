@@ -226,8 +226,9 @@ class LayerReuse:
     1. under torch.compile: ``peft::dora_weight_norm`` (``dora_norm``), which keeps its values by storage
        (:class:`StorageMemo`); nothing below is read or written;
     2. ``norm``: the previous norm, where ``dora_norm.reuse_mode`` allows reuse and W, A, B and s provably hold;
-    3. ``caching``: ``ENABLE_DORA_CACHING`` (``peft.helpers.DoraCaching``) in eval mode, per adapter, kept until
-       ``train()`` whatever happens to the weights (upstream's semantics);
+    3. the layer's ``_dora_cache`` (upstream's name, which its tests read): ``ENABLE_DORA_CACHING``
+       (``peft.helpers.DoraCaching``) in eval mode, per adapter, kept until ``train()`` whatever happens to the
+       weights (upstream's semantics);
     4. ``graph``: a training norm replayed as a CUDA graph (``dora_graph``), which reads the tensors' current values;
     5. computed afresh, with ``w_sq``: ``||W||²`` of a frozen W, kept across optimizer steps (a merge ends it).
 
@@ -239,12 +240,11 @@ class LayerReuse:
     start empty.
     """
 
-    __slots__ = ("norm", "w_sq", "scale", "factors", "rows", "caching", "graph", "decode", "zero_free")
+    __slots__ = ("norm", "w_sq", "scale", "factors", "rows", "graph", "decode", "zero_free")
 
     def __init__(self) -> None:
         self.norm, self.scale, self.factors, self.zero_free = Memo(), Memo(), Memo(), Memo()
         self.w_sq = Memo(frozen=True)  # a frozen W takes no optimizer steps
-        self.caching: dict = {}
         self.graph = NormGraph()
         self.rows: tuple = ()
         self.decode = None
@@ -253,8 +253,6 @@ class LayerReuse:
         """Forget every kept value (``graph=False`` keeps the norm graph, which reads current values anyway)."""
         for memo in (self.norm, self.w_sq, self.scale, self.factors, self.zero_free):
             memo.clear()
-        if self.caching:  # clearing an empty dict is still a mutation to Dynamo (a graph break under checkpoint)
-            self.caching.clear()
         self.rows, self.decode = (), None
         if graph:
             self.graph.clear()

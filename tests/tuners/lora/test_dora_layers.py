@@ -111,7 +111,7 @@ def test_mixed_adapter_batch_is_refused_like_upstream(kind):
 
 
 def caches(model):
-    return [m._reuse.caching for m in model.modules() if isinstance(m, dora.DoraLinearLayer)]
+    return [m._dora_cache for m in model.modules() if isinstance(m, dora.DoraLinearLayer)]
 
 
 @pytest.mark.parametrize("kind", ["linear", "embedding", "conv2d"])
