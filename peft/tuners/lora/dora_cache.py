@@ -93,8 +93,8 @@ def identity_tracked(tensors, inference: bool = True) -> bool:
 class Memo:
     """A value computed from some tensors, valid while the very same tensor objects keep their storage, version
     counter, layout and dtype, the extra key (e.g. the scaling) is unchanged, and no optimizer step or merge happened
-    since (the epoch; for a ``frozen`` memo, whose tensors take no optimizer steps, no merge). Copies and pickles of
-    a layer start empty."""
+    since (the epoch; for a ``frozen`` memo, whose tensors take no optimizer steps, no merge). A layer holds its
+    memos in a :class:`LayerReuse`, whose copies and pickles start empty."""
 
     __slots__ = ("refs", "key", "value", "epoch")
 
@@ -104,12 +104,6 @@ class Memo:
 
     def clear(self) -> None:
         self.refs, self.key, self.value = (), None, None
-
-    def __deepcopy__(self, memo):
-        return type(self)(self.epoch is _merge_epoch)
-
-    def __reduce__(self):
-        return (type(self), (self.epoch is _merge_epoch,))
 
     def _key(self, tensors, extra) -> tuple:
         return (

@@ -74,7 +74,7 @@ def _key(tensors, extra) -> tuple:
 
 class NormGraph:
     """One layer's norm computation: eager on the first call with new inputs, captured on the second, replayed
-    from then on. Copies and pickles of a layer start empty."""
+    from then on. A layer holds it in its ``dora_cache.LayerReuse``, whose copies and pickles start empty."""
 
     __slots__ = ("key", "refs", "graph", "out", "failed")
 
@@ -83,12 +83,6 @@ class NormGraph:
 
     def clear(self) -> None:
         self.key, self.refs, self.graph, self.out, self.failed = None, (), None, None, False
-
-    def __deepcopy__(self, memo):
-        return NormGraph()
-
-    def __reduce__(self):
-        return (NormGraph, ())
 
     def _same(self, tensors, extra) -> bool:
         return same_objects(self.refs, tensors) and _key(tensors, extra) == self.key
