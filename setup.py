@@ -29,6 +29,7 @@ setup(
     packages=find_packages(STAGING),
     package_data={"": ["*.cu", "*.cpp", "py.typed"]},
     install_requires=overlay.upstream_requirements(upstream.wheel()),
-    extras_require={"triton": ["triton>=3.0"]},
+    # bitsandbytes pinned: QDoRA reads its packed 4-bit storage and LLM.int8 scales (peft/tuners/lora/dora_quant.py)
+    extras_require={"triton": ["triton>=3.0"], "bnb": ["bitsandbytes==0.50.2"]},
     zip_safe=False,
 )

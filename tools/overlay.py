@@ -23,6 +23,7 @@ OVERLAY_FILES = (
     "tuners/lora/dora_launch.py",
     "tuners/lora/dora_norm.py",
     "tuners/lora/dora_norm_triton.py",
+    "tuners/lora/dora_quant.py",
     "tuners/lora/dora_settings.py",
 )
 GLUE_FILE = "tuners/lora/variants.py"

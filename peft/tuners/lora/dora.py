@@ -36,7 +36,7 @@ from torch.nn.modules import module as _nn_module
 from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 from peft.utils.other import transpose
 
-from . import dora_decode, dora_fused, dora_norm, dora_settings
+from . import dora_decode, dora_fused, dora_norm, dora_quant, dora_settings
 from .dora_cache import LayerReuse, capturing, memoised, reused, source, watch_merges
 from .dora_cache import invalidate_norm_caches as invalidate_norm_caches  # public here, as documented
 from .dora_cache import norm_counts as norm_counts  # public here, as documented
@@ -184,17 +184,22 @@ class DoraLinearLayer(nn.Module):
     def get_weight_norm(
         self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None, w_sq=None
     ) -> torch.Tensor:
-        """Detached fp32 norm of ``weight + scaling·lora_B·lora_A`` per output row (weight as stored by the layer)."""
+        """Detached fp32 norm of ``weight + scaling·lora_B·lora_A`` per output row (weight as stored by the layer, or a
+        ``dora_quant.QuantizedWeight``)."""
+        if isinstance(weight, dora_quant.QuantizedWeight):
+            return dora_quant.row_norm(weight, lora_A, lora_B, scaling, w_sq=w_sq)
         return factored_row_norm(transpose(weight, self.fan_in_fan_out), lora_A, lora_B, scaling, w_sq=w_sq)
 
     def update_layer(self, *, base_layer, lora_A, lora_B, scaling, place_on_cpu=False) -> None:
         """Create the magnitude vector: the row norm of the adapted weight, ``||W + s·B·A||_row``."""
         with gather_params_ctx(base_layer.parameters()):
-            if base_layer.__class__.__name__ == "Linear4bit":
-                # FSDP rejects dequantizing the live module; 8-bit params cannot be deep-copied.
-                base_layer = deepcopy(base_layer)
-            weight = dequantize_module_weight(base_layer).to(lora_A.device)
-            weight_norm = self.get_weight_norm(weight, lora_A, lora_B, scaling)
+            weight = dora_quant.quantized_weight(base_layer)  # bitsandbytes: read in chunks, never dequantized whole
+            if weight is None:
+                if base_layer.__class__.__name__ == "Linear4bit":
+                    # FSDP rejects dequantizing the live module; 8-bit params cannot be deep-copied.
+                    base_layer = deepcopy(base_layer)
+                weight = dequantize_module_weight(base_layer).to(lora_A.device)
+            weight_norm = self.get_weight_norm(weight, lora_A, lora_B, scaling).to(lora_A.device)
         # Same dtype as upstream's magnitude, so checkpoints interchange: the promoted weight/adapter dtype.
         weight_norm = weight_norm.to(torch.promote_types(weight.dtype, lora_A.dtype))
         if place_on_cpu:
@@ -209,6 +214,8 @@ class DoraLinearLayer(nn.Module):
         g = self._scale(weight_norm, weight.dtype)
         lora_result = _lora_output(lora_A, lora_B, x)
         if base_result is None:
+            if isinstance(weight, dora_quant.QuantizedWeight):  # no dense W kept from the forward to the backward
+                return self._compose(lora_result, dora_quant.base_output(weight, x), g, scaling)
             return self._base_chunks(x, weight, lora_result, g, scaling)
         bias = base_layer.bias
         if bias is not None:
@@ -317,7 +324,7 @@ class DoraLinearLayer(nn.Module):
             operands = self._norm_operands(weight, lora_A, lora_B)
             if operands is not None:
                 return compiled_weight_norm(self, *operands, scaling)
-        sources = (weight, source(lora_A), source(lora_B))
+        sources = (*_weight_sources(weight), source(lora_A), source(lora_B))
         return memoised(
             self._reuse.norm,
             reuse_mode(self, sources),
@@ -329,10 +336,18 @@ class DoraLinearLayer(nn.Module):
 
     def _norm_operands(self, weight, lora_A, lora_B) -> Optional[tuple]:
         """(W, A, B) as ``factored_row_norm`` takes them, or None where the norm is not a single factored row norm."""
+        if isinstance(weight, dora_quant.QuantizedWeight):
+            return None  # chunked dequantization, traced as PyTorch and bitsandbytes ops under torch.compile
         return transpose(weight, self.fan_in_fan_out), lora_A, lora_B
 
     def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
         reuse = self._reuse
+        if isinstance(weight, dora_quant.QuantizedWeight):
+            # ||W||² of the frozen quantized weight, kept while its storage and scales are unchanged; no norm graph
+            w_sq = None
+            if dora_settings.current().norm_cache is not False:
+                w_sq = memoised(reuse.w_sq, "any", "w_sq", weight.sources, lambda: dora_quant.row_sq_norm(weight))
+            return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
         w_sq = None
         w = transpose(weight, self.fan_in_fan_out)
         if not weight.requires_grad and dora_norm.w_sq_reusable(w, lora_A, lora_B):
@@ -368,7 +383,9 @@ class DoraLinearLayer(nn.Module):
         rows as views; no bias row without a bias), kept across forwards while W, A, B, m and the bias hold; None
         while a CUDA graph is captured, whose replays must follow later updates. The caller has checked the gates
         (``LinearGates.reuses_factors``)."""
-        sources = (weight, source(lora_A), source(lora_B), magnitude) + (() if bias is None else (bias,))
+        sources = (*_weight_sources(weight), source(lora_A), source(lora_B), magnitude) + (
+            () if bias is None else (bias,)
+        )
         if capturing(sources):
             return None
 
@@ -724,9 +741,10 @@ class DoraConv3dVariant(_DoraConvNdVariant):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _forward_weight(base_layer: nn.Module) -> torch.Tensor:
-    """The base weight for the forward; plain parameters skip upstream's dequantize probe, whose type-name string
-    test Dynamo cannot trace (a graph break per DoRA layer under torch.compile)."""
+def _forward_weight(base_layer: nn.Module):
+    """The base weight for the forward: the parameter itself, a ``dora_quant.QuantizedWeight`` for bitsandbytes
+    (read in chunks by the norm), else upstream's dequantization. Plain parameters skip upstream's dequantize probe,
+    whose type-name string test Dynamo cannot trace (a graph break per DoRA layer under torch.compile)."""
     if type(base_layer) is nn.Linear:
         # straight from the dict (nn.Module.__getattr__ costs time), and no probe for a quantized weight's `W_q`
         weight = base_layer._parameters.get("weight")
@@ -737,7 +755,13 @@ def _forward_weight(base_layer: nn.Module) -> torch.Tensor:
             weight = None
     if type(weight) is nn.Parameter:
         return weight
-    return dequantize_module_weight(base_layer)
+    quantized = dora_quant.quantized_weight(base_layer)
+    return quantized if quantized is not None else dequantize_module_weight(base_layer)
+
+
+def _weight_sources(weight) -> tuple:
+    """The tensors whose identity and versions stand for the base weight's values in the norm's memos."""
+    return weight.sources if isinstance(weight, dora_quant.QuantizedWeight) else (weight,)
 
 
 def _plain_linear(module: nn.Module) -> bool:

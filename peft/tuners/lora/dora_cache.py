@@ -80,14 +80,19 @@ def watch_merges(cls: type) -> None:
 def identity_tracked(tensors, inference: bool = True) -> bool:
     """True when every change of these tensors' values shows in their version counter or storage.
 
-    Sharded or wrapped parameters (DeepSpeed ZeRO-3, DTensor/FSDP2, quantized parameter classes) are re-gathered or
-    re-materialised behind PyTorch's back; inference tensors have no version counter (``inference=False`` leaves
-    that test to the caller: Dynamo cannot trace ``is_inference``).
+    Sharded or wrapped parameters (DeepSpeed ZeRO-3, DTensor/FSDP2, torchao's and HQQ's classes) are re-gathered or
+    re-materialised behind PyTorch's back; bitsandbytes' quantized parameters are plain storage that requantizing or
+    merging replaces (a new object or ``.data``), so they are tracked. Inference tensors have no version counter
+    (``inference=False`` leaves that test to the caller: Dynamo cannot trace ``is_inference``).
     """
     return all(
-        type(t) in (torch.Tensor, nn.Parameter) and not hasattr(t, "ds_id") and not (inference and t.is_inference())
+        (type(t) in (torch.Tensor, nn.Parameter) or type(t).__name__ in _QUANTIZED_PARAMS)
+        and not hasattr(t, "ds_id") and not (inference and t.is_inference())
         for t in tensors
-    )
+    )  # fmt: skip
+
+
+_QUANTIZED_PARAMS = ("Params4bit", "Int8Params")  # bitsandbytes' (dora_quant.quantized_kind)
 
 
 class Memo:

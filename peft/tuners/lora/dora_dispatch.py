@@ -57,6 +57,15 @@ tier_counts: collections.Counter = collections.Counter()
 """How often each tier composed a DoRA output since import (or since ``tier_counts.clear()``)."""
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def wider_result(result_dtype: torch.dtype, lora_dtype: torch.dtype) -> bool:
+    """An fp32 ``result`` beside a half-precision LoRA output: a base layer that returns its input's dtype (bitsandbytes
+    casts back to the fp32 hidden states of ``prepare_model_for_kbit_training``) under autocast. The output kernels
+    read both and write ``result``'s dtype, as PyTorch's promotion would."""
+    return result_dtype == torch.float32 and lora_dtype in HALF_DTYPES
+
 
 DECODE_MAX_ROWS = 8  # rows per decode launch (dora_decode); more rows take the matmul path
 
@@ -146,13 +155,17 @@ def row_stride(t: torch.Tensor) -> int | None:
     return row_stride_ if row_stride_ >= size[-1] else None
 
 
-def compose_layout(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> tuple[int, int] | None:
+def compose_layout(
+    lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor, wider_base: bool = False
+) -> tuple[int, int] | None:
     """(row stride of lora, row stride of base) when the composition kernels take these tensors, else None.
 
-    ``lora`` and ``base`` must agree in shape, dtype and device and read as rows (unit column stride); ``g`` must be
-    a contiguous [d_out] or [1, d_out] vector, i.e. broadcast along the last dimension only (a Conv-style
-    [1, C, 1, 1] scales a middle dimension and is left to PyTorch)."""
-    if lora.shape != base.shape or lora.dtype != base.dtype or lora.dtype not in KERNEL_DTYPES:
+    ``lora`` and ``base`` must agree in shape, dtype (or, with ``wider_base``, see :func:`wider_result`) and device
+    and read as rows (unit column stride); ``g`` must be a contiguous [d_out] or [1, d_out] vector, i.e. broadcast
+    along the last dimension only (a Conv-style [1, C, 1, 1] scales a middle dimension and is left to PyTorch)."""
+    if lora.shape != base.shape or lora.dtype not in KERNEL_DTYPES:
+        return None
+    if lora.dtype != base.dtype and not (wider_base and wider_result(base.dtype, lora.dtype)):
         return None
     if g.dtype not in KERNEL_DTYPES or lora.device != base.device or g.device != lora.device or lora.dim() == 0:
         return None
@@ -173,10 +186,11 @@ def kernels_support(lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor) -> 
 def output_layout(result, lora, bias, magnitude, weight_norm) -> tuple[int, int] | None:
     """(row stride of result, row stride of lora) when the one-pass output kernel takes these tensors, else None.
 
-    ``lora`` is written in place, so it must own its storage (a fresh matmul output, not a view); ``magnitude`` is a
-    contiguous [d_out] vector, ``weight_norm`` fp32 of the same shape, ``bias`` absent or a frozen [d_out] vector.
+    ``lora`` is written in place, so it must own its storage (a fresh matmul output, not a view), unless ``result`` is
+    wider (:func:`wider_result`: the output is a new buffer of ``result``'s dtype); ``magnitude`` is a contiguous
+    [d_out] vector, ``weight_norm`` fp32 of the same shape, ``bias`` absent or a frozen [d_out] vector.
     """
-    layout = compose_layout(lora, result, magnitude)
+    layout = compose_layout(lora, result, magnitude, wider_base=True)
     if layout is None or lora._base is not None or magnitude.dim() != 1 or not norm_operand(weight_norm, magnitude):
         return None
     if bias is not None and not bias_operand(bias, magnitude, result.device):
@@ -207,13 +221,15 @@ def branch_node_stride(a, result, weight_b, magnitude, bias) -> int | None:
     tensors, else None.
 
     The node computes ``F.linear(a, B)`` as F.linear would: in ``a``'s dtype (autocast's, or B's own without
-    autocast), which ``result`` shares, with shapes that fit (F.linear's own errors come from the separate call
-    otherwise); its output is a fresh ``result``-shaped buffer, so ``result`` stands in for it in the output's layout
-    rules. One function on the per-forward path: separate checks re-read the same attributes (a fifth of DoRA's host
-    time over LoRA's per training forward, CPU stand-in). The norm is checked separately (:func:`norm_operand`),
-    once it exists."""
+    autocast), which ``result`` shares or widens (:func:`wider_result`), with shapes that fit (F.linear's own errors
+    come from the separate call otherwise); its output is a fresh ``result``-shaped buffer, so ``result`` stands in
+    for it in the output's layout rules. One function on the per-forward path: separate checks re-read the same
+    attributes (a fifth of DoRA's host time over LoRA's per training forward, CPU stand-in). The norm is checked
+    separately (:func:`norm_operand`), once it exists."""
     dtype = a.dtype
-    if dtype not in KERNEL_DTYPES or result.dtype != dtype or weight_b.dim() != 2 or a.dim() == 0:
+    if dtype not in KERNEL_DTYPES or weight_b.dim() != 2 or a.dim() == 0:
+        return None
+    if result.dtype != dtype and not wider_result(result.dtype, dtype):
         return None
     if weight_b.dtype != dtype and (
         weight_b.dtype not in KERNEL_DTYPES or not torch.is_autocast_enabled(a.device.type)

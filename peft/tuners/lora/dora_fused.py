@@ -534,7 +534,8 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
     """The whole DoRA tail of a Linear in one autograd node: ``y = result + ((g - 1)·base + g·(s·lora))`` with
     ``base = result - bias`` and ``g = m / max(w_norm, eps)`` formed in the kernel (the norm is a constant).
 
-    ``y`` is written into ``lora``'s buffer (marked dirty), so the output costs no allocation. For ``d_m`` the
+    ``y`` is written into ``lora``'s buffer (marked dirty), so the output costs no allocation (into a new buffer
+    where ``result`` is wider, see ``dora_dispatch.wider_result``; autograd casts ``d_lora`` back). For ``d_m`` the
     backward needs ``inner = s·lora + base``: it is read back from ``y`` itself (``(y - bias) / g``, see
     :func:`_output_saves_itself`), or, where m has an exact zero, saved in a buffer of its own. The backward is one
     pass for ``d_result = g·d_y``, ``d_lora = g·s·d_y`` and the partial sums of ``d_m``, plus a small deterministic
@@ -551,16 +552,18 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
         """``strides``: ``dora_dispatch.output_layout`` of these tensors, which the caller has checked is not None."""
         needs_mag = ctx.needs_input_grad[2]
         from_output = needs_mag and _output_saves_itself(magnitude, known)
+        out = _output_buffer(result, lora)
         inner = None
         if needs_mag and not from_output:
-            inner = torch.empty_like(lora, memory_format=_CONTIGUOUS)
+            inner = torch.empty_like(out, memory_format=_CONTIGUOUS)
         if lora.numel() > 0:
-            _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, inner, strides)
-        ctx.mark_dirty(lora)
-        ctx.save_for_backward(lora if from_output else inner)
+            _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, out, inner, strides)
+        if out is lora:
+            ctx.mark_dirty(lora)
+        ctx.save_for_backward(out if from_output else inner)
         ctx.magnitude, ctx.mag_version, ctx.weight_norm, ctx.bias = magnitude, magnitude._version, weight_norm, bias
         ctx.scale, ctx.eps, ctx.from_output = scale, eps, from_output
-        return lora
+        return out
 
     @staticmethod
     def backward(ctx, d_y):
@@ -598,6 +601,8 @@ class FusedDoRALinearFunction(torch.autograd.Function):
       PyTorch's matmul saves it, and its cast cache holds every adapter's copy until the autocast region ends);
     * the saved tensors are ``a`` and ``y`` (or ``inner``), as for separate nodes.
 
+    Where ``result`` is fp32 and ``a`` half precision (``dora_dispatch.wider_result``), ``y`` is a new fp32 buffer.
+
     ``dtype`` is ``a``'s dtype, which the caller checks is what ``F.linear(a, B)`` would compute in (autocast's, or
     B's own) and ``result``'s. B and m are kept as attributes, their version counters checked in backward as autograd
     would for saved inputs.
@@ -610,15 +615,16 @@ class FusedDoRALinearFunction(torch.autograd.Function):
         lora = F.linear(a, weight_b.to(a.dtype))
         needs_mag = ctx.needs_input_grad[3]
         from_output = needs_mag and _output_saves_itself(magnitude, known)
-        inner = torch.empty_like(lora, memory_format=_CONTIGUOUS) if needs_mag and not from_output else None
+        out = _output_buffer(result, lora)
+        inner = torch.empty_like(out, memory_format=_CONTIGUOUS) if needs_mag and not from_output else None
         if lora.numel() > 0:
             strides = (stride, lora.shape[-1])  # F.linear's output is contiguous
-            _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, inner, strides)
-        ctx.save_for_backward(a, lora if from_output else inner)
+            _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, out, inner, strides)
+        ctx.save_for_backward(a, out if from_output else inner)
         ctx.weights = (weight_b, magnitude, weight_norm, bias)
         ctx.versions = (weight_b._version, magnitude._version)
         ctx.scale, ctx.eps, ctx.from_output = scale, eps, from_output
-        return lora
+        return out
 
     @staticmethod
     def backward(ctx, d_y):
@@ -653,6 +659,8 @@ class FusedDoRALinearFunction(torch.autograd.Function):
         d_a = d_b = None
         if needs_branch:
             d_lora = d_lora.reshape(-1, d_out)
+            if d_lora.dtype != a.dtype:  # a wider result (fp32 y): the branch's gradient in its own dtype, as autocast
+                d_lora = d_lora.to(a.dtype)
         if needs_a:
             if gs is None:
                 b_c = weight_b.to(a.dtype)
@@ -779,9 +787,16 @@ def run_fused_output(result, lora, magnitude, weight_norm, scale, eps, bias, str
     scale, eps = float(scale), float(eps)
     if records_grad(result, lora, magnitude):
         return FusedDoRAOutputFunction.apply(result, lora, magnitude, weight_norm, bias, scale, eps, strides, known)
+    out = _output_buffer(result, lora)
     if lora.numel() > 0:
-        _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, lora, None, strides)
-    return lora
+        _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, out, None, strides)
+    return out
+
+
+def _output_buffer(result: torch.Tensor, lora: torch.Tensor) -> torch.Tensor:
+    """Where the one-pass output goes: ``lora``'s own buffer, or a new one of ``result``'s dtype where that is
+    wider (``dora_dispatch.wider_result``)."""
+    return lora if lora.dtype == result.dtype else torch.empty_like(result, memory_format=_CONTIGUOUS)
 
 
 def fused_dora_forward_and_inner(

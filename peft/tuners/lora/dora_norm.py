@@ -47,7 +47,7 @@ def _acc_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(weight.dtype, torch.float32)
 
 
-def _matmul_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, split: bool = False) -> torch.Tensor:
+def matmul_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, split: bool = False) -> torch.Tensor:
     """a @ b accumulated and returned in ``acc``.
 
     On CUDA, half-precision ``a`` stays in its dtype and runs on the tensor cores with an fp32 output (no fp32 copy
@@ -120,7 +120,7 @@ def factored_row_norm(
             w_sq = row_sq_norm(weight, budget) if w_sq is None else w_sq
             return dora_norm_triton.split_row_norm(weight, lora_A, lora_B, scale, w_sq, cs)
         own_w_sq = w_sq is None
-        # fp32 (or wider) adapters on a half weight: A keeps its precision in W·Aᵀ (see _matmul_acc)
+        # fp32 (or wider) adapters on a half weight: A keeps its precision in W·Aᵀ (see matmul_acc)
         split = torch.finfo(lora_A.dtype).bits > torch.finfo(weight.dtype).bits
         b_acc = _as(lora_B, device, acc)
         u = gram = None
@@ -130,11 +130,18 @@ def factored_row_norm(
             if own_w_sq:
                 w_sq = _accumulate(w_sq, torch.linalg.vector_norm(w_c, dim=1, dtype=acc).square())
             gram = _accumulate(gram, a_c @ a_c.T)
-            u = _accumulate(u, _matmul_acc(w_c, a_c.T, acc, split))
-        # 2s·cross + s²·ba_sq = rowsum(B ⊙ (2s·U + s²·B·G)): one GEMM and one row-wise dot instead of two of each.
-        # Launches, not flops, decide the norm's cost on real models (host-bound), so fewer ops is the point.
-        t = (b_acc * torch.addmm(u, b_acc, gram, beta=2.0 * scale, alpha=scale * scale)).sum(dim=1)
-        return (w_sq + t).clamp_min_(0).sqrt_()  # clamp_min keeps NaN
+            u = _accumulate(u, matmul_acc(w_c, a_c.T, acc, split))
+        return combine_row_norm(w_sq, u, gram, b_acc, scale)
+
+
+def combine_row_norm(
+    w_sq: torch.Tensor, u: torch.Tensor, gram: torch.Tensor, lora_B: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The norm from its factors: ``sqrt(‖W‖² + rowsum(B ⊙ (2s·U + s²·B·G)))`` with ``U = W·Aᵀ`` and ``G = A·Aᵀ``,
+    all in the accumulation dtype. 2s·cross + s²·ba_sq in one GEMM and one row-wise dot instead of two of each:
+    launches, not flops, decide the norm's cost on real models (host-bound), so fewer ops is the point."""
+    t = (lora_B * torch.addmm(u, lora_B, gram, beta=2.0 * scale, alpha=scale * scale)).sum(dim=1)
+    return (w_sq + t).clamp_min_(0).sqrt_()  # clamp_min keeps NaN
 
 
 def _as(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

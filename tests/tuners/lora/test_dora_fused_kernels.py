@@ -98,7 +98,7 @@ def test_branch_node_stride_rejects_what_the_node_cannot_compute(case):
     if case == "b_dtype_without_autocast":
         b = b.float()  # F.linear would raise: the node must not compute it in a's dtype
     elif case == "result_dtype":
-        result = result.float()
+        result = result.half()  # neither a's dtype nor a wider fp32 result (dispatch.wider_result)
     elif case == "a_int":
         a = a.to(torch.int32)
     elif case == "rank":
@@ -122,6 +122,14 @@ def test_branch_node_stride_rejects_what_the_node_cannot_compute(case):
     elif case == "a_scalar":
         a = torch.tensor(1.0, dtype=torch.bfloat16)
     assert dispatch.branch_node_stride(a, result, b, m, bias) is None
+
+
+def test_branch_node_takes_a_wider_fp32_result():
+    """bitsandbytes under autocast: an fp32 result (the fp32 hidden states) beside the bf16 branch; the node writes
+    an fp32 output. Not the other way round (a bf16 result beside an fp32 branch would be narrowed)."""
+    a, result, b, m = _branch()
+    assert dispatch.branch_node_stride(a, result.float(), b, m, None) == result.shape[-1]
+    assert dispatch.branch_node_stride(a.float(), result, b.float(), m, None) is None
 
 
 def test_norm_operand_rules():

@@ -1,0 +1,326 @@
+"""QDoRA on bitsandbytes 4-bit (NF4, FP4) and 8-bit (LLM.int8) bases, on bitsandbytes' CPU backend.
+
+The norm read in chunks of dequantized rows against the dense norm of upstream's dequantized weight; whole models
+against upstream's DoRA (the in-process oracle) with and without autocast and LoRA dropout; no dense weight saved for
+the backward (upstream's dropout path saves one, which shows the check can fail); the norm and ‖W‖² kept exactly while
+the quantized storage holds and recomputed when it is replaced; merge_and_unload as upstream's. Under
+TRITON_INTERPRET=1 (``test_quant_under_interpreter``) the same tests run the fused tiers.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dora_testing import TOL, assert_close, to_upstream
+from torch import nn
+
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+from peft.tuners.lora import dora, dora_quant
+from peft.tuners.lora.dora_launch import INTERPRET
+from peft.utils.integrations import dequantize_module_weight
+
+
+bnb = pytest.importorskip("bitsandbytes", reason="QDoRA needs bitsandbytes (pip install bitsandbytes)")
+
+HERE = Path(__file__).resolve().parent
+KINDS = ("nf4", "fp4", "int8")
+
+
+def quantized_linear(kind: str, d_in: int, d_out: int, bias: bool = False, seed: int = 0) -> nn.Module:
+    """A bitsandbytes Linear of ``kind`` quantized on the CPU from a seeded bf16 Linear."""
+    torch.manual_seed(seed)
+    dense = nn.Linear(d_in, d_out, bias=bias).to(torch.bfloat16)
+    if kind == "int8":
+        layer = bnb.nn.Linear8bitLt(d_in, d_out, bias=bias, has_fp16_weights=False)
+        layer.weight = bnb.nn.Int8Params(dense.weight.data.float(), requires_grad=False, has_fp16_weights=False)
+    else:
+        nested = kind == "nf4"
+        layer = bnb.nn.Linear4bit(d_in, d_out, bias=bias, compute_dtype=torch.bfloat16, quant_type=kind,
+                                  compress_statistics=nested)  # fmt: skip
+        layer.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, quant_type=kind,
+                                         compress_statistics=nested)  # fmt: skip
+    if bias:
+        layer.bias = nn.Parameter(dense.bias.data.float(), requires_grad=False)
+    return layer.to("cpu")
+
+
+class Net(nn.Module):
+    """Two quantized projections with an fp32 norm between them: the QLoRA recipe's fp32 hidden states in small."""
+
+    def __init__(self, kind: str, bias: bool = False):
+        super().__init__()
+        self.up = quantized_linear(kind, 64, 96, bias=bias, seed=1)
+        self.norm = nn.LayerNorm(96)
+        self.down = quantized_linear(kind, 96, 40, bias=bias, seed=2)
+        self.is_loaded_in_4bit = kind != "int8"
+        self.is_loaded_in_8bit = kind == "int8"
+
+    def forward(self, x):
+        return self.down(self.norm(self.up(x)))
+
+
+def adapted(kind: str, dropout: float = 0.0, bias: bool = False) -> nn.Module:
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["up", "down"], use_dora=True, lora_dropout=dropout,
+                        init_lora_weights=False)  # fmt: skip
+    torch.manual_seed(3)
+    model = get_peft_model(Net(kind, bias=bias), config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                param.mul_(1 + 0.3 * torch.randn_like(param))
+    return model
+
+
+def dora_layers(model):
+    return [m for m in model.modules() if isinstance(m, dora.DoraLinearLayer)]
+
+
+def expected_tier(training: bool) -> str:
+    if not INTERPRET:
+        return dora.TIER_EAGER
+    return dora.TIER_FUSED_BACKWARD if training else dora.TIER_FUSED_FORWARD
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The norm, chunk by chunk.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d_in", (128, 100))
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_norm_matches_dense_norm_of_upstream_dequantization(kind, d_in, monkeypatch):
+    layer = quantized_linear(kind, d_in, 72)
+    dense = dequantize_module_weight(layer).float()  # upstream's dequantization, whole
+    weight = dora_quant.quantized_weight(layer)
+    assert weight.shape == dense.shape and weight.dtype == (torch.float32 if kind == "int8" else torch.bfloat16)
+    monkeypatch.setattr(dora_quant, "CHUNK_BYTES", 4 * d_in * 2)  # a few rows per chunk: many chunks, odd sizes
+    assert weight.chunk_rows() < 72
+    torch.manual_seed(0)
+    lora_A, lora_B = torch.randn(8, d_in) * 0.1, torch.randn(72, 8) * 0.1
+    expected = dora.factored_row_norm(dense, lora_A, lora_B, 1.5)
+    torch.testing.assert_close(dora_quant.row_norm(weight, lora_A, lora_B, 1.5), expected, atol=0, rtol=2e-6)
+    torch.testing.assert_close(dora_quant.row_sq_norm(weight), dense.square().sum(1), atol=0, rtol=2e-6)
+    if kind != "int8":  # 4-bit rows dequantize bitwise as the whole weight does
+        assert torch.equal(weight.dequantize(), dequantize_module_weight(layer))
+    with pytest.raises(ValueError, match="shapes do not chain"):
+        dora_quant.row_norm(weight, lora_A[:, :-1], lora_B, 1.5)
+
+
+def test_quantized_weight_needs_a_quantized_layer():
+    layer = bnb.nn.Linear4bit(64, 32, compute_dtype=torch.bfloat16, quant_type="nf4")  # not quantized until .to()
+    layer.weight.quant_state = None
+    with pytest.raises(RuntimeError, match="no quant_state"):
+        dora_quant.quantized_weight(layer)
+    assert dora_quant.quantized_weight(nn.Linear(4, 4)) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whole models against upstream's DoRA.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _step(model, x, autocast: bool):
+    torch.manual_seed(11)  # the same dropout masks on both sides
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(x)
+    out.float().square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("autocast", (False, True), ids=("fp32_hidden", "autocast"))
+@pytest.mark.parametrize("dropout", (0.0, 0.1))
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_matches_upstream(kind, dropout, autocast):
+    model = adapted(kind, dropout=dropout, bias=True).train()
+    theirs = to_upstream(model)
+    x = torch.randn(3, 5, 64)
+    dora.tier_counts.clear()
+    out, grads = _step(model, x, autocast)
+    out_up, grads_up = _step(theirs, x, autocast)
+    scale = 1.0 if not autocast else 1.0  # outputs are O(1); the bf16 tolerance already covers autocast's rounding
+    dtype = torch.bfloat16 if autocast else torch.float32
+    assert out.dtype == out_up.dtype
+    assert_close(out, out_up, dtype=dtype, scale=scale)
+    assert grads.keys() == grads_up.keys() and any("magnitude" in n for n in grads)
+    for name in grads:
+        ref = grads_up[name]
+        assert_close(grads[name], ref, dtype=dtype, scale=max(1.0, ref.abs().max().item()))
+    if dropout == 0.0:
+        assert set(dora.tier_counts) == {expected_tier(training=True)}, dict(dora.tier_counts)
+
+
+@pytest.mark.parametrize("autocast", (False, True), ids=("fp32_hidden", "autocast"))
+@pytest.mark.parametrize("kind", KINDS)
+def test_eval_matches_upstream_and_reuses_the_norm(kind, autocast):
+    model = adapted(kind, bias=True).eval()
+    theirs = to_upstream(model)
+    x = torch.randn(2, 7, 64)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        expected = theirs(x)
+        dora.norm_counts.clear()
+        dora.tier_counts.clear()
+        first, second = model(x), model(x)
+    assert first.dtype == expected.dtype
+    assert_close(first, expected, dtype=torch.bfloat16 if autocast else torch.float32)
+    if INTERPRET:  # fp32 results beside bf16 LoRA outputs under autocast: the fused tiers still take them
+        assert dora.TIER_EAGER not in dora.tier_counts, dict(dora.tier_counts)
+    assert torch.equal(first, second)
+    counts = dict(dora.norm_counts)
+    # the second forward computes no norm: it reuses the norm, or (small outputs, fused tiers) the scale built from it
+    assert counts["norm_computed"] == 2 and counts.get("norm_reused", 0) + counts.get("scale_reused", 0) >= 2, counts
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_initial_magnitude_is_upstreams(kind):
+    """The magnitude is the checkpoint's content: the same values and dtype as upstream's initialisation."""
+    up_dora, _ = __import__("dora_testing").upstream_modules()
+    layer = quantized_linear(kind, 64, 48)
+    torch.manual_seed(0)
+    lora_A, lora_B = torch.randn(8, 64) * 0.1, torch.randn(48, 8) * 0.1
+    ours, theirs = dora.DoraLinearLayer(False), up_dora.DoraLinearLayer(False)
+    ours.update_layer(base_layer=layer, lora_A=lora_A, lora_B=lora_B, scaling=2.0)
+    theirs.update_layer(base_layer=layer, lora_A=lora_A, lora_B=lora_B, scaling=2.0)
+    assert ours.weight.dtype == theirs.weight.dtype
+    assert_close(ours.weight, theirs.weight)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory: no dense weight between forward and backward.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _saved_float_numels(model, x) -> list:
+    saved = []
+
+    def pack(t):
+        if t.is_floating_point():
+            saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).float().sum().backward()
+    return saved
+
+
+@pytest.mark.parametrize("dropout", (0.0, 0.1))
+@pytest.mark.parametrize("kind", ("nf4", "int8"))
+def test_no_dense_weight_is_saved_for_backward(kind, dropout):
+    model = adapted(kind, dropout=dropout).train()
+    x = torch.randn(2, 3, 64)  # fewer elements than either weight (64·96, 96·40)
+    weights = {64 * 96, 96 * 40}
+    assert not weights & set(_saved_float_numels(model, x))
+    if dropout:  # upstream's dropout path saves the dense dequantized weight: the check sees it
+        assert weights & set(_saved_float_numels(to_upstream(model), x))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reuse: exact while the quantized storage holds, recomputed when it changes.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_recompute_reuses_the_norm_and_w_sq_survives_optimizer_steps():
+    model = adapted("nf4").train()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    layers = 2
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    dora.norm_counts.clear()
+    for _ in range(2):
+        y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+        y.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    counts = dict(dora.norm_counts)
+    # per step: one norm per layer, reused by the checkpoint's recompute; ||W||² once over both steps
+    assert counts["norm_computed"] == 2 * layers and counts["norm_reused"] == 2 * layers, counts
+    assert counts["w_sq_computed"] == layers and counts["w_sq_reused"] == layers, counts
+
+
+@pytest.mark.parametrize("kind", ("nf4", "int8"))
+def test_requantized_weight_is_never_served_a_stale_norm(kind):
+    """Replacing the quantized weight (what requantizing and upstream's bnb merge do) must end every kept value."""
+    model = adapted(kind).eval()
+    x = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        before = model(x)
+        lora_layer = model.base_model.model.up
+        replacement = quantized_linear(kind, 64, 96, seed=7)
+        lora_layer.base_layer.weight = replacement.weight
+        if kind == "int8":
+            lora_layer.base_layer.state = replacement.state
+        after = model(x)
+        fresh = to_upstream(model)(x)
+    assert not torch.allclose(before, after)
+    assert_close(after, fresh)
+
+
+@pytest.mark.parametrize("kind", ("nf4", "int8"))
+def test_merge_and_unload_as_upstream(kind):
+    model = adapted(kind, bias=True).eval()
+    theirs = to_upstream(model)
+    x = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        adapted_out = model(x)
+        ours_merged = model.merge_and_unload()(x)
+        theirs_merged = theirs.merge_and_unload()(x)
+    # requantizing the merged weight rounds it to 4 (8) bits: judged against the adapted output's scale
+    assert torch.equal(ours_merged, theirs_merged) or (ours_merged - theirs_merged).abs().max() <= 0.02 * (
+        adapted_out.abs().max()
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The QLoRA recipe end to end, and the fused tiers under the interpreter.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_qlora_recipe_trains_like_upstream(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    quant = transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    base = transformers.LlamaForCausalLM.from_pretrained(tmp_path, quantization_config=quant, device_map="cpu")
+    base = prepare_model_for_kbit_training(base)
+    model = get_peft_model(base, LoraConfig(r=8, target_modules="all-linear", use_dora=True, init_lora_weights=False))
+    model.train()
+    theirs = to_upstream(model)
+    ids = torch.randint(0, 128, (2, 16))
+    losses = {}
+    for name, m in (("ours", model), ("upstream", theirs)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses[name] = loss.item()
+    atol, _ = TOL[torch.bfloat16]
+    assert abs(losses["ours"] - losses["upstream"]) <= atol * abs(losses["upstream"]), losses
+    for (name, p), (_, q) in zip(model.named_parameters(), theirs.named_parameters()):
+        if p.requires_grad:
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+            assert_close(p.grad, q.grad, dtype=torch.bfloat16, scale=max(1.0, q.grad.abs().max().item()))
+
+
+@pytest.mark.skipif(INTERPRET, reason="this test starts the interpreter run itself")
+def test_quant_under_interpreter():
+    """This file again with TRITON_INTERPRET=1: the fused training and inference tiers on quantized bases (the tier
+    assertions above then require them), including the fp32 result beside a bf16 LoRA branch under autocast."""
+    pytest.importorskip("triton", reason="the fused kernels need Triton (pip install triton)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEFT_DORA_")}
+    env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           "--rootdir", str(HERE.parents[1]), "-k", "training or eval or recompute"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]

@@ -1,0 +1,149 @@
+"""QDoRA on the GPU (``pytest -m gpu``): bitsandbytes 4-bit and 8-bit bases on CUDA, where the fused tiers and the
+tensor-core cross term run. Against upstream's DoRA (the in-process oracle) and against an fp32 reference built from
+the same dequantized weights: ours' error is at most upstream's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dora_testing import assert_close, to_upstream
+from torch import nn
+
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import dora, dora_quant
+from peft.utils.integrations import dequantize_module_weight
+
+
+pytestmark = pytest.mark.gpu
+bnb = pytest.importorskip("bitsandbytes", reason="QDoRA needs bitsandbytes")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+KINDS = ("nf4", "fp4", "int8")
+
+
+def quantized_linear(kind: str, d_in: int, d_out: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    dense = nn.Linear(d_in, d_out, bias=False).to(torch.bfloat16)
+    if kind == "int8":
+        layer = bnb.nn.Linear8bitLt(d_in, d_out, bias=False, has_fp16_weights=False)
+        layer.weight = bnb.nn.Int8Params(dense.weight.data, requires_grad=False, has_fp16_weights=False)
+    else:
+        layer = bnb.nn.Linear4bit(d_in, d_out, bias=False, compute_dtype=torch.bfloat16, quant_type=kind,
+                                  compress_statistics=kind == "nf4")  # fmt: skip
+        layer.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, quant_type=kind,
+                                         compress_statistics=kind == "nf4")  # fmt: skip
+    return layer.to("cuda")  # quantized on the GPU
+
+
+class Net(nn.Module):
+    def __init__(self, kind: str, d: int = 512):
+        super().__init__()
+        self.up = quantized_linear(kind, d, 2 * d, seed=1)
+        self.norm = nn.LayerNorm(2 * d, device="cuda")
+        self.down = quantized_linear(kind, 2 * d, d, seed=2)
+        self.is_loaded_in_4bit = kind != "int8"
+        self.is_loaded_in_8bit = kind == "int8"
+
+    def forward(self, x):
+        return self.down(self.norm(self.up(x)))
+
+
+def adapted(kind: str, dropout: float = 0.0):
+    config = LoraConfig(r=16, lora_alpha=32, target_modules=["up", "down"], use_dora=True, lora_dropout=dropout,
+                        init_lora_weights=False)  # fmt: skip
+    torch.manual_seed(3)
+    model = get_peft_model(Net(kind), config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                param.mul_(1 + 0.3 * torch.randn_like(param))
+    return model
+
+
+def fp32_reference(model):
+    """The same model with every quantized layer replaced by an fp32 Linear of its dequantized weight."""
+    ref = to_upstream(model)
+    for module in ref.modules():
+        base = getattr(module, "base_layer", None)
+        if base is not None and dora_quant.quantized_kind(getattr(base, "weight", None)):
+            dense = dequantize_module_weight(base).float()
+            linear = nn.Linear(dense.shape[1], dense.shape[0], bias=False, device="cuda")
+            linear.weight = nn.Parameter(dense, requires_grad=False)
+            module.base_layer = linear
+    return ref.float()
+
+
+def _run(model, x, autocast: bool):
+    torch.manual_seed(11)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        out = model(x)
+    out.float().square().mean().backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    return out.detach().float(), grads
+
+
+def _rel(a, b) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("autocast", (False, True), ids=("fp32_hidden", "autocast"))
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_training_against_fp32_reference_and_upstream(kind, autocast):
+    model = adapted(kind).train()
+    theirs, ref = to_upstream(model), fp32_reference(model)
+    x = torch.randn(4, 64, 512, device="cuda")
+    dora.tier_counts.clear()
+    out, grads = _run(model, x, autocast)
+    assert set(dora.tier_counts) == {dora.TIER_FUSED_BACKWARD}, dict(dora.tier_counts)
+    out_up, grads_up = _run(theirs, x, autocast)
+    out_ref, grads_ref = _run(ref, x, False)
+    # the base layers' own GEMMs (bitsandbytes, bf16) are common to both: the error budget is DoRA's share on top
+    assert _rel(out, out_ref) <= _rel(out_up, out_ref) * 1.05 + 1e-6, (_rel(out, out_ref), _rel(out_up, out_ref))
+    for name in grads:
+        ours_err, up_err = _rel(grads[name], grads_ref[name]), _rel(grads_up[name], grads_ref[name])
+        assert ours_err <= up_err * 1.05 + 1e-5, (name, ours_err, up_err)
+        assert_close(grads[name], grads_up[name], dtype=torch.bfloat16, scale=max(1.0, grads_up[name].abs().max()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cross_term_on_tensor_cores_keeps_fp32_precision(kind):
+    layer = quantized_linear(kind, 1024, 768, seed=5)
+    weight = dora_quant.quantized_weight(layer)
+    dense = dequantize_module_weight(layer).double()
+    torch.manual_seed(0)
+    lora_A = torch.randn(32, 1024, device="cuda") * 0.05
+    lora_B = torch.randn(768, 32, device="cuda") * 0.05
+    exact = dora.factored_row_norm(dense, lora_A.double(), lora_B.double(), 2.0)
+    norm = dora_quant.row_norm(weight, lora_A, lora_B, 2.0)
+    assert _rel(norm.double(), exact) < 1e-6
+
+
+@pytest.mark.parametrize("dropout", (0.0, 0.1))
+@pytest.mark.parametrize("kind", ("nf4", "int8"))
+def test_no_dense_weight_saved_on_gpu(kind, dropout):
+    model = adapted(kind, dropout).train()
+    x = torch.randn(2, 8, 512, device="cuda")
+    saved = []
+
+    def pack(t):
+        if t.is_floating_point():
+            saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(x).float().sum().backward()
+    assert not {512 * 1024} & set(saved)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_inference_and_decode_match_upstream(kind):
+    model = adapted(kind).eval()
+    theirs = to_upstream(model)
+    with torch.no_grad():
+        for shape in ((2, 64, 512), (4, 1, 512)):  # a prefill and a decode step
+            x = torch.randn(*shape, device="cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                assert_close(model(x).float(), theirs(x).float(), dtype=torch.bfloat16)
