@@ -265,7 +265,8 @@ class DoraLinearLayer(nn.Module):
         if factors is not None and gates.small(lora, result):
             # y = g·(result + s·lora) (+ (1 − g)·bias): two (three) in-place ops on the fresh LoRA output, the first
             # with the scalar s (a third cheaper on the host than two ops with [d_out] factors), in fp32, rounded once
-            out = torch.add(result, lora, alpha=float(scaling), out=lora).mul_(factors[1])
+            into = lora if lora.dtype == result.dtype else None  # a wider result: a new buffer of its dtype
+            out = torch.add(result, lora, alpha=float(scaling), out=into).mul_(factors[1])
             if bias is not None:
                 out.add_(factors[2])
             record(self, TIER_SMALL_FORWARD)

@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from .dora_dispatch import DECODE_MAX_ROWS as MAX_TOKENS
-from .dora_dispatch import row_stride
+from .dora_dispatch import row_stride, wider_result
 from .dora_launch import HAS_TRITON
 from .dora_launch import cdiv as _cdiv
 from .dora_launch import next_pow2 as _next_pow2
@@ -122,13 +122,14 @@ def decode_layout(x, result, weight_a, weight_b) -> Optional[tuple[int, int, tor
     """(x's row stride, result's row stride, compute dtype) where :func:`decode_output` computes what
     ``F.linear(F.linear(x, A), B)`` and the composition would, else None (the matmul path then runs, with its own
     errors for what F.linear rejects): 1 to :data:`MAX_TOKENS` rows; float tensors on one device; without autocast
-    x, A and B in one dtype; ``result`` in the compute dtype; A and B with unit column stride and fewer than 2³¹
+    x, A and B in one dtype; ``result`` in the compute dtype (or fp32 beside a half one,
+    ``dora_dispatch.wider_result``: the output then is fp32); A and B with unit column stride and fewer than 2³¹
     elements; x and result as rows of matching shapes."""
     d_out = result.shape[-1] if result.dim() else 0
     if d_out == 0 or result.numel() > MAX_TOKENS * d_out or result.numel() == 0:
         return None
     dtype = compute_dtype(x)
-    if dtype not in _FLOAT_DTYPES or result.dtype != dtype:
+    if dtype not in _FLOAT_DTYPES or (result.dtype != dtype and not wider_result(result.dtype, dtype)):
         return None
     if weight_a.dim() != 2 or weight_b.dim() != 2 or weight_a.stride(1) != 1 or weight_b.stride(1) != 1:
         return None
@@ -198,8 +199,12 @@ class DecodePlan:
     def run(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         """The decode output for rows that match the plan's key; a new tensor shaped like ``result``."""
         a = self.a
-        # `result` is in the compute dtype (decode_layout)
-        out = torch.empty_like(result) if self.contiguous else torch.empty(result.shape, dtype=a.dtype, device=a.device)
+        # the output takes `result`'s dtype: the compute dtype, or a wider fp32 (decode_layout)
+        out = (
+            torch.empty_like(result)
+            if self.contiguous
+            else torch.empty(result.shape, dtype=result.dtype, device=a.device)
+        )
         args_a = (x, self.weight_a, a, *self.ints_a)
         args_out = (a, self.weight_b, result, self.factors, out, *self.ints_out)
         if self.token_a is None:  # first launch: compile or find the kernels, keep them for direct calls
@@ -229,4 +234,4 @@ def decode_output_torch(x, result, weight_a, weight_b, factors, scale: float, ha
     out = factors[0] * (result.float() + scale * lora.float())
     if has_bias:
         out = out + factors[1]
-    return out.to(dtype)
+    return out.to(torch.promote_types(dtype, result.dtype))

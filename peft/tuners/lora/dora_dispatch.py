@@ -301,10 +301,11 @@ class LinearGates:
         self.one_node = grad and fused and plain and env.one_node_branch and env.fused_backward is not False
 
     def small(self, lora: torch.Tensor, result: torch.Tensor) -> bool:
-        """The ``small_forward`` tier for this LoRA output: few elements, composed in place into its own buffer."""
+        """The ``small_forward`` tier for this LoRA output: few elements, composed in place into its own buffer (into
+        a new one of ``result``'s dtype where that is wider, :func:`wider_result`)."""
         return (
-            lora.numel() <= SMALL_FORWARD_NUMEL and lora.shape == result.shape and lora.dtype == result.dtype
-            and lora._base is None
+            lora.numel() <= SMALL_FORWARD_NUMEL and lora.shape == result.shape and lora._base is None
+            and (lora.dtype == result.dtype or wider_result(result.dtype, lora.dtype))
         )  # fmt: skip
 
     def output_tier(self, result, lora, bias, magnitude, weight_norm) -> Optional[tuple[str, tuple[int, int]]]:
