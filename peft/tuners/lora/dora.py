@@ -239,6 +239,10 @@ class DoraLinearLayer(nn.Module):
             lora = None
             gates = LinearGates(result, magnitude, (x, weight_a, weight_b), True, self.training)
 
+        if self.training and not gates.grad and gates.fused and magnitude.requires_grad and magnitude.is_cuda:
+            # the no-grad first pass of a reentrant checkpoint: start the magnitude's zero test now, so that the
+            # training node of the recompute (in the backward) finds the answer instead of waiting for the GPU
+            dora_fused.prefetch_zero_test(magnitude, self._reuse.zero_free)
         factors = None
         if gates.reuses_factors:
             factors = self._factors(weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name)
@@ -525,7 +529,7 @@ def _register_magnitude(module) -> None:
 
 def _merge_factor(module, active_adapter: str, weight_norm: torch.Tensor, view_shape) -> torch.Tensor:
     magnitude = module.lora_magnitude_vector[active_adapter].weight.reshape(-1)
-    weight_dtype = module.get_base_layer().weight.dtype
+    weight_dtype = _forward_weight(module.get_base_layer()).dtype  # quantized bases: the dequantized dtype
     return magnitude_scale(magnitude, weight_norm.reshape(-1), weight_dtype).reshape(view_shape)
 
 

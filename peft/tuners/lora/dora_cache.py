@@ -234,9 +234,9 @@ class LayerReuse:
     Downstream of the norm, each keyed on the tensors it came from, so a new norm ends it: ``scale`` (g = m / norm,
     without autograd), ``factors`` (g and (1 − g)·bias for the decode and small tiers, with ``rows``, their rows as
     views) and ``decode`` (the latest decode step's launches, a ``dora_decode.DecodePlan``). Beside them
-    ``zero_free``: whether m has no exact zero (a host sync, so asked once per value of m), which lets the training
-    output nodes read ``inner`` back from their output. ``clear`` forgets all of it; copies and pickles of a layer
-    start empty.
+    ``zero_free``: whether m has no exact zero (read on the host, so asked once per value of m, or its test started
+    ahead: an event and a pinned flag), which lets the training output nodes read ``inner`` back from their output.
+    ``clear`` forgets all of it; copies and pickles of a layer start empty.
     """
 
     __slots__ = ("norm", "w_sq", "scale", "factors", "rows", "graph", "decode", "zero_free")

@@ -504,20 +504,40 @@ def _output_saves_itself(magnitude: torch.Tensor, known: Optional[Memo]) -> bool
 
     Saving y instead of a separate ``inner`` buffer costs nothing where the next op saves y anyway (the MLP's gate
     and up projections feed SiLU and a product, attention's value projection feeds SDPA) and the same memory
-    elsewhere. A magnitude with an exact zero keeps the ``inner`` buffer. The zero test is a host sync: a DoRA layer
-    passes its ``known`` memo (``dora_cache.LayerReuse.zero_free``), so the test runs once per value of m (an
-    optimizer step changes m once, then every micro-step and checkpoint recompute reuses the answer); without one it
-    runs every call. During CUDA-graph capture, where a sync is not allowed, the buffer is kept.
+    elsewhere. A magnitude with an exact zero keeps the ``inner`` buffer. The zero test reads a GPU value on the
+    host: a DoRA layer passes its ``known`` memo (``dora_cache.LayerReuse.zero_free``), so the test runs once per value
+    of m (an optimizer step changes m once, then every micro-step and checkpoint recompute reuses the answer), and
+    where :func:`prefetch_zero_test` started it earlier (the no-grad first pass of a reentrant checkpoint) the answer
+    has long arrived and nothing waits; otherwise the host waits for it, once. Without a memo it runs every call.
+    During CUDA-graph capture, where a sync is not allowed, the buffer is kept.
     """
     if magnitude.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     hit = None if known is None else known.get((magnitude,))
-    if hit is not None:
+    if isinstance(hit, bool):
         return hit
-    no_zero = bool(torch.count_nonzero(magnitude) == magnitude.numel())
+    if hit is not None:  # (event, pinned host flag "has a zero") from prefetch_zero_test
+        event, has_zero = hit
+        event.synchronize()  # a no-op where the copy is done
+        no_zero = not bool(has_zero)
+    else:
+        no_zero = bool(torch.count_nonzero(magnitude) == magnitude.numel())
     if known is not None:
         known.put((magnitude,), no_zero)
     return no_zero
+
+
+def prefetch_zero_test(magnitude: torch.Tensor, known: Memo) -> None:
+    """Start :func:`_output_saves_itself`'s zero test for this value of m without waiting: the flag is copied to
+    pinned host memory behind an event, which the training node reads later (a checkpoint's recompute runs in the
+    backward, long after). Nothing to do where the answer or a started test is kept for this value of m."""
+    if known.get((magnitude,)) is not None or torch.cuda.is_current_stream_capturing():
+        return
+    has_zero = torch.empty((), dtype=torch.bool, pin_memory=True)
+    has_zero.copy_((magnitude == 0).any(), non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    known.put((magnitude,), (event, has_zero))
 
 
 def _check_version(t: torch.Tensor, version: int, what: str) -> None:

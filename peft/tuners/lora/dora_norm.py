@@ -62,7 +62,7 @@ def matmul_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, split: bool =
     if not split:
         return torch.mm(a, b.to(a.dtype), out_dtype=acc)
     n = b.shape[1]
-    out = torch.mm(a, _hi_lo(b, a.dtype, 1), out_dtype=acc)  # [a·b_hi | a·b_lo]
+    out = torch.mm(a, hi_lo(b, a.dtype, 1), out_dtype=acc)  # [a·b_hi | a·b_lo]
     return out[:, :n].add_(out[:, n:])
 
 
@@ -149,7 +149,7 @@ def _as(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tens
     return t if t.dtype == dtype and t.device == device else t.to(device=device, dtype=dtype)
 
 
-def _hi_lo(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
+def hi_lo(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
     """``t`` (fp32) as ``hi`` and ``lo`` in ``dtype`` concatenated along ``dim``: ``hi`` is ``t`` rounded, ``lo`` the
     rounded remainder, so ``hi + lo`` keeps about 16 of fp32's 24 mantissa bits (bf16) instead of 8."""
     n = t.shape[dim]

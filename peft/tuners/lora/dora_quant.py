@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .dora_norm import combine_row_norm, matmul_acc
+from .dora_norm import combine_row_norm, hi_lo
 from .dora_settings import get_dora_norm_threshold_bytes
 
 
@@ -206,14 +206,34 @@ def row_norm(
             return w_sq.sqrt()
         a_t = lora_A.to(weight.device, acc).T
         u = torch.empty(d_out, r, dtype=acc, device=weight.device)
-        step = weight.chunk_rows()
+        step, a_chunk = weight.chunk_rows(), None
         for start in range(0, d_out, step):
             stop = min(d_out, start + step)
             values, row_scale = weight.rows(start, stop)
-            split = torch.finfo(acc).bits > torch.finfo(values.dtype).bits
-            part = matmul_acc(values, a_t, acc, split)
-            u[start:stop] = part if row_scale is None else part * row_scale[:, None]
+            if a_chunk is None:  # Aᵀ as the chunks' GEMM takes it, made once: [A_hiᵀ | A_loᵀ] for half rows on CUDA
+                a_chunk = chunk_operand(a_t, values)
+            part = u[start:stop]
+            if a_chunk.dtype == values.dtype and values.is_cuda:
+                both = torch.mm(values, a_chunk, out_dtype=acc)
+                if both.shape[1] == r:
+                    part.copy_(both)
+                else:
+                    torch.add(both[:, :r], both[:, r:], out=part)
+            else:
+                torch.mm(values.to(acc), a_chunk, out=part)
+            if row_scale is not None:
+                part.mul_(row_scale[:, None])
         return combine_row_norm(w_sq.to(acc), u, a_t.T @ a_t, lora_B.to(weight.device, acc), scale)
+
+
+def chunk_operand(a_t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``Aᵀ`` ([d_in, r], fp32) for ``values @ Aᵀ`` in fp32: on CUDA with half rows ``[hi | lo]`` in their dtype
+    (``dora_norm.hi_lo``: A keeps ~16 of its 24 bits on the tensor cores), else ``Aᵀ`` itself (the rows are upcast)."""
+    if values.is_cuda and values.dtype in (torch.float16, torch.bfloat16):
+        if torch.finfo(a_t.dtype).bits > torch.finfo(values.dtype).bits:
+            return hi_lo(a_t, values.dtype, 1)
+        return a_t.to(values.dtype)
+    return a_t
 
 
 def base_output(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:

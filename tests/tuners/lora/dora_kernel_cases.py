@@ -449,6 +449,25 @@ def test_decode_kernels_match_twin(tokens, d_in, rank, d_out, mode, bias):
         assert err <= 2 * err_twin + 2 * want.abs().max() * torch.finfo(dtype).eps, (err, err_twin)
 
 
+@pytest.mark.parametrize("tokens", (1, 3))
+def test_decode_kernels_take_a_wider_fp32_result(tokens):
+    """bitsandbytes under autocast: an fp32 result beside the bf16 compute dtype; the output is fp32, as the twin's
+    (and PyTorch's promotion)."""
+    from peft.tuners.lora import dora_decode as Dd
+
+    x, result, weight_a, weight_b, factors, _ = _decode_inputs(tokens, 64, 8, 40, "autocast", True)
+    result = result.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layout = Dd.decode_layout(x, result, weight_a, weight_b)
+        assert layout is not None and layout[2] == torch.bfloat16
+        out = Dd.decode_output(x, result, weight_a, weight_b, factors, SCALE, layout, True)
+        twin = Dd.decode_output_torch(x, result, weight_a, weight_b, factors, SCALE, True)
+    assert out.dtype == twin.dtype == torch.float32
+    want = _decode_fp64(x, result, weight_a, weight_b, factors, True)
+    err, err_twin = (out.double() - want).abs().max(), (twin.double() - want).abs().max()
+    assert err <= 2 * err_twin + 2 * want.abs().max() * torch.finfo(torch.bfloat16).eps, (err, err_twin)
+
+
 @pytest.mark.parametrize(
     "case",
     ["tokens", "zero_tokens", "b_dtype", "result_dtype", "a_columns", "b_shape", "x_columns", "int_x", "shapes"],
@@ -464,7 +483,7 @@ def test_decode_layout_rejects_what_the_kernels_do_not_compute(case):
     elif case == "b_dtype":
         weight_b = weight_b.float()  # F.linear raises without autocast: left to it
     elif case == "result_dtype":
-        result = result.float()
+        result = result.half()  # neither the compute dtype nor a wider fp32 result (dispatch.wider_result)
     elif case == "a_columns":
         weight_a = weight_a.t().contiguous().t()
     elif case == "b_shape":

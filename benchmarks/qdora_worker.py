@@ -1,0 +1,323 @@
+"""One implementation's share of the QDoRA benchmark, run in its own process by ``bench_qdora.py``.
+
+Started as ``python qdora_worker.py SPEC.json``. ``task: build`` saves the seeded random bf16 model; ``task: bench``
+loads each quantization once, then per rank, precision mode and adapter kind wraps it, measures and unloads, and at
+the end (round 0) runs the fidelity forward/backward (in upstream's process also the fp32 reference). The parent puts
+the implementation's ``--target`` install first on ``PYTHONPATH``; :func:`model_worker.check_peft` refuses any other.
+Results go to ``spec["result"]`` after every configuration, so a process killed by the time limit keeps what ran.
+
+Nothing here imports from the repository root: the script directory is ``sys.path[0]``, so the overlay tree there
+cannot shadow the installed package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import model_worker as mw
+import torch
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANTIZED_LAYERS = ("Linear4bit", "Linear8bitLt")
+MEASURES = ("train", "infer", "decode")
+GRAD_KINDS = ("lora_A", "lora_B", "magnitude")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model, quantization, adapters.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build_model(spec: dict) -> None:
+    """The seeded random bf16 model, built on the benchmark's device (seconds on a GPU, a minute for the 8B shape
+    on two CPU cores) and saved for every worker to quantize."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_dict(spec["model"])  # as a config.json would be read: rope_scaling converted
+    torch.manual_seed(spec["seed"])
+    with torch.device(spec["device"]):
+        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(spec["dir"])
+
+
+def load_quantized(model_dir: str, quant: str, device: torch.device):
+    """nf4/fp4: 4-bit with double quantization and bf16 compute; int8: LLM.int8. Then PEFT's QLoRA preparation:
+    everything frozen, the non-quantized weights upcast to fp32, gradient checkpointing (its defaults)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from peft import prepare_model_for_kbit_training
+
+    if quant == "int8":
+        bnb = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=True,
+                                 bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+    device_map = {"": 0 if device.type == "cuda" else "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb, dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa", device_map=device_map)  # fmt: skip
+    return prepare_model_for_kbit_training(model)
+
+
+def quantized_layers(model) -> int:
+    return sum(type(m).__name__ in QUANTIZED_LAYERS for m in model.modules())
+
+
+def dequantized(layer) -> torch.Tensor:
+    """The weight a layer computes with. Through ``dequantize_bnb_weight``: ``dequantize_module_weight``'s CPU branch
+    re-wraps an ``Int8Params`` and loses its row scales (bitsandbytes 0.50); on a GPU the two are the same."""
+    from peft.utils.integrations import dequantize_bnb_weight
+
+    if type(layer.weight).__name__ in ("Params4bit", "Int8Params"):
+        return dequantize_bnb_weight(layer.weight, state=getattr(layer, "state", None))
+    return layer.weight
+
+
+def to_fp32_reference(model):
+    """Every bnb layer replaced by an fp32 ``nn.Linear`` holding its dequantized weight: the reference computes with
+    the very weights the quantized runs use and differs from them only in arithmetic precision."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ in QUANTIZED_LAYERS:
+                w = dequantized(child).float()
+                dense = torch.nn.Linear(w.shape[1], w.shape[0], bias=child.bias is not None, device=w.device)
+                dense.weight.data.copy_(w)
+                if child.bias is not None:
+                    dense.bias.data.copy_(child.bias.float())
+                setattr(parent, name, dense.requires_grad_(False))
+    dtypes = {p.dtype for p in model.parameters()}
+    if dtypes != {torch.float32}:  # prepare_model_for_kbit_training upcast everything else already
+        raise RuntimeError(f"the fp32 reference still holds {dtypes}")
+    return model
+
+
+def wrap(base, rank: int, dora: bool):
+    """LoRA (lora_alpha = 2r) on the seven projections; adapters in fp32 (PEFT's default autocast_adapter_dtype)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(PROJECTIONS),
+                        use_dora=dora, task_type="CAUSAL_LM")  # fmt: skip
+    return get_peft_model(base, config)
+
+
+@torch.no_grad()
+def seed_adapters(model, seed: int, init_range: float) -> None:
+    """A, B and the magnitudes drawn per module name, the same in every implementation and in the fp32 reference.
+    A ~ N(0, 1/d_in); B sized so that s·B·A·x is about a tenth of W·x (PEFT's B = 0 would leave A's gradient zero);
+    magnitude = row norm of the dequantized W times (1 + 0.1·N(0, 1)), so that DoRA's rescaling is not the identity."""
+    for name, module in sorted(model.named_modules()):
+        if not hasattr(module, "lora_A") or "default" not in module.lora_A:
+            continue
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        dev, (r, d_in) = a.device, a.shape
+        a.copy_(torch.randn(a.shape, generator=mw._gen(dev, seed, name, "A"), device=dev) / math.sqrt(d_in))
+        std = 0.1 * init_range * math.sqrt(d_in) / (module.scaling["default"] * math.sqrt(r))
+        b.copy_(torch.randn(b.shape, generator=mw._gen(dev, seed, name, "B"), device=dev) * std)
+        mags = getattr(module, "lora_magnitude_vector", None)
+        if mags is not None and "default" in mags:
+            w = dequantized(module.get_base_layer()).float()
+            noise = torch.randn(w.shape[0], generator=mw._gen(dev, seed, name, "m"), device=dev)
+            mags["default"].weight.copy_(torch.linalg.vector_norm(w, dim=1) * (1 + 0.1 * noise))
+
+
+def token_batch(cfg: dict, seq: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(cfg["seed"] + 1)
+    return torch.randint(0, cfg["model"]["vocab_size"], (cfg["batch"], seq), generator=g).to(device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measures.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def time_training(model, ids, cfg: dict, ctx, device) -> dict:
+    """Training step, timed: forward, backward, AdamW step. Untimed after each step the gradient proof (every trainable
+    tensor's gradient present, finite, non-zero), untimed before it ``zero_grad``. Peak memory over the static
+    allocation (model, adapters and AdamW's state, measured after the warm-up steps); the loss of step 0."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg["lr"])
+    losses = []
+
+    def step():
+        with ctx():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        if not losses:  # step 0: the seeded adapters, before any optimizer step
+            losses.append(loss.detach())
+
+    model.train()
+    proof = mw.GradProof(model)
+    out = mw.measure(step, device, cfg["warmup"], cfg["repeats"], lambda: opt.zero_grad(set_to_none=True), proof)
+    opt.zero_grad(set_to_none=True)
+    return dict(out, grad_proof=proof.result(), step0_loss=losses[0].item())
+
+
+@torch.no_grad()
+def time_decode(model, ids, cfg: dict, ctx, device) -> dict:
+    """Prefill ``prompt_tokens`` into a KV cache (untimed), then one-token forwards: ``decode_warmup`` untimed, then
+    ``decode_tokens`` each timed; ms per token."""
+    from transformers import DynamicCache
+
+    cache, kv = DynamicCache(config=model.config), mw.cache_kwarg(model)
+    timer, times, before = mw.Timer(device), [], mw.tier_counts()
+    with ctx():
+        model(input_ids=ids[:, : cfg["prompt_tokens"]], use_cache=True, **{kv: cache})
+        for i in range(cfg["decode_warmup"] + cfg["decode_tokens"]):
+            with timer.region(times) if i >= cfg["decode_warmup"] else contextlib.nullcontext():
+                model(input_ids=ids[:, -1:], use_cache=True, **{kv: cache})
+    tiers = {k: v - before.get(k, 0) for k, v in mw.tier_counts().items() if v != before.get(k, 0)}
+    return dict(mw.summary(times), tiers=tiers)
+
+
+def measure_config(model, cfg: dict, mode: str, device) -> dict:
+    """Training step, inference forward (eval, no_grad, the full sequence) and one-token decode of a wrapped model."""
+    ctx = lambda: mw.precision_ctx(mode, device)  # noqa: E731
+    ids = token_batch(cfg, cfg["seq"], device)
+    train = time_training(model, ids, cfg, ctx, device)
+    mw.release()
+    model.eval()
+
+    @torch.no_grad()
+    def infer():
+        with ctx():
+            model(input_ids=ids, use_cache=False)
+
+    out = {"train": train, "step0_loss": train.pop("step0_loss")}
+    out["infer"] = mw.measure(infer, device, cfg["warmup"], cfg["repeats"])
+    out["decode"] = time_decode(model, ids, cfg, ctx, device)
+    model.train()
+    return out
+
+
+def fidelity_run(spec: dict, run: str, device) -> dict:
+    """Logits (evenly spaced rows) and every adapter gradient of one forward/backward at the fidelity setting: this
+    impl's QDoRA under autocast, or (``run == "reference"``) upstream's DoRA in fp32 on the dequantized weights."""
+    cfg, fid = spec["cfg"], spec["fidelity"]
+    base = load_quantized(spec["model_dir"], fid["quant"], device)
+    if run == "reference":
+        base = to_fp32_reference(base)
+        torch.set_float32_matmul_precision("highest")  # no TF32 in the reference
+    model = wrap(base, fid["rank"], True)
+    seed_adapters(model, cfg["seed"], cfg["model"]["initializer_range"])
+    ids = token_batch(cfg, fid["seq"], device)
+    model.train()
+    with mw.precision_ctx(fid["mode"] if run != "reference" else "fp32", device):
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    grads = {k: [] for k in GRAD_KINDS}
+    for name, p in sorted(model.named_parameters()):
+        if p.requires_grad:
+            grads[mw.param_kind(name)].append(p.grad.float().reshape(-1).cpu())
+    rows = torch.linspace(0, fid["seq"] - 1, fid["rows"]).long().to(device)
+    payload = {"logits": out.logits[0, rows].detach().float().cpu(), "loss": out.loss.item(),
+               "grads": {k: torch.cat(v) for k, v in grads.items()}}  # fmt: skip
+    path = Path(spec["workdir"]) / f"fidelity_{run}.pt"
+    torch.save(payload, path)
+    print(f"[{spec['impl']['name']}] fidelity {run}: loss {payload['loss']:.6f}", flush=True)
+    mw.release(model, base, out)
+    return {run: str(path)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The process.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def bench_quant(spec: dict, quant: str, device, result: dict, fail, flush) -> None:
+    """One quantization: load it once, then per rank, mode and kind wrap, measure and unload. A configuration that
+    fails is reported and the next one runs; a base that unloading did not restore ends the quantization."""
+    from peft.tuners.lora import dora
+
+    impl, cfg = spec["impl"], spec["cfg"]
+    if time.time() > spec["deadline"]:
+        result["skipped"].append({"impl": impl["name"], "round": spec["round"], "quant": quant, "why": "budget"})
+        return
+    base = load_quantized(spec["model_dir"], quant, device)
+    n_quantized = quantized_layers(base)
+    for i, rank in enumerate(cfg["ranks"]):
+        for mode in cfg["modes"]:
+            for kind in spec["kinds"][:: 1 if (i + spec["round"]) % 2 == 0 else -1]:  # first kind alternates (ABBA)
+                where = dict(impl=impl["name"], round=spec["round"], quant=quant, mode=mode, rank=rank, kind=kind)
+                if time.time() > spec["deadline"]:
+                    result["skipped"].append(dict(where, why="budget"))
+                    continue
+                model, t0 = None, time.perf_counter()
+                try:
+                    model = wrap(base, rank, kind == "qdora")
+                    seed_adapters(model, cfg["seed"], cfg["model"]["initializer_range"])
+                    rec = dict(measure_config(model, cfg, mode, device), **where)
+                    if kind == "qdora" and hasattr(dora, "summary"):  # ours only
+                        rec["dora_summary"] = dora.summary(model)
+                    rec["wall_s"] = round(time.perf_counter() - t0, 2)
+                    result["records"].append(rec)
+                    line = ", ".join(f"{m} {rec[m]['median_ms']:.2f}" for m in MEASURES)
+                    print(f"[{impl['name']}] {quant} {mode} r={rank} {kind}: {line} ms", flush=True)
+                except Exception:
+                    fail("measure", **where)
+                finally:
+                    if model is not None:
+                        base = model.unload()
+                    del model
+                    mw.release()
+                    flush()
+                if any(hasattr(m, "lora_A") for m in base.modules()) or quantized_layers(base) != n_quantized:
+                    raise RuntimeError(f"unload did not restore the quantized base after {where}")
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    if spec["task"] == "build":
+        build_model(spec)
+        return 0
+    impl, device = spec["impl"], torch.device(spec["device"])
+    result = {"impl": impl["name"], "round": spec["round"], "records": [], "errors": [], "skipped": []}
+
+    def flush():
+        Path(spec["result"]).write_text(json.dumps(result))
+
+    def fail(task: str, **where):  # inside an except block
+        err = traceback.format_exc()
+        print(err, file=sys.stderr, flush=True)
+        result["errors"].append(
+            dict({"impl": impl["name"], "round": spec["round"]}, **where, task=task, error=err[-3000:])
+        )
+        flush()
+
+    try:
+        import peft
+
+        info = mw.check_peft(impl)
+        info["peft_file"] = peft.__file__
+        info["env"].update({n: importlib.metadata.version(n) for n in ("bitsandbytes", "accelerate")})
+        result["info"] = info
+    except Exception:
+        fail("import")
+        return 2
+    for quant in spec["cfg"]["quants"]:
+        try:
+            bench_quant(spec, quant, device, result, fail, flush)
+        except Exception:
+            fail("quant", quant=quant)
+        mw.release()
+    if spec["fidelity"] and time.time() > spec["deadline"]:
+        result["skipped"].append({"impl": impl["name"], "round": spec["round"], "task": "fidelity", "why": "budget"})
+    elif spec["fidelity"]:
+        result["fidelity"] = {}
+        for run in [impl["name"]] + ([] if impl["ours"] else ["reference"]):
+            try:
+                result["fidelity"].update(fidelity_run(spec, run, device))
+            except Exception:
+                fail("fidelity", run=run)
+    flush()
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
