@@ -252,7 +252,7 @@ def test_cpu_smoke_runs_the_whole_pipeline(tmp_path):
     out = tmp_path / "cpu_smoke" / "qdora.json"
     headline = tmp_path / "cpu_smoke" / "headline.json"
     rc = bench_qdora.main([
-        "--device", "cpu", "--tiny", "--quants", "nf4,int8", "--ranks", "4", "--rounds", "1", "--plots",
+        "--device", "cpu", "--tiny", "--quants", "nf4,int8", "--ranks", "4", "--rounds", "1",
         "--workdir", str(tmp_path / "work"), "--out", str(out), "--headline", str(headline),
         "--ours-wheel", str(Path(peft.__file__).resolve().parent.parent), "--upstream-wheel", str(upstream.wheel()),
     ])  # fmt: skip

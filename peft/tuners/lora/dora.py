@@ -347,24 +347,26 @@ class DoraLinearLayer(nn.Module):
 
     def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
         reuse = self._reuse
-        if isinstance(weight, dora_quant.QuantizedWeight):
-            # ||W||² of the frozen quantized weight, kept while its storage and scales are unchanged; no norm graph
-            w_sq = None
-            if dora_settings.current().norm_cache is not False:
-                w_sq = memoised(reuse.w_sq, "any", "w_sq", weight.sources, lambda: dora_quant.row_sq_norm(weight))
-            return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
         w_sq = None
-        w = transpose(weight, self.fan_in_fan_out)
-        if not weight.requires_grad and dora_norm.w_sq_reusable(w, lora_A, lora_B):
-            # a frozen W keeps its ||W||²_row across optimizer steps (they skip it): only cross and Gram are new
-            w_sq = memoised(reuse.w_sq, "any", "w_sq", (weight,), lambda: row_sq_norm(w))
+        if isinstance(weight, dora_quant.QuantizedWeight):
+            # ||W||² of the frozen quantized weight, kept while its storage and scales are unchanged
+            sources, graph_weight = weight.sources, weight.param
+            if dora_settings.current().norm_cache is not False:
+                w_sq = memoised(reuse.w_sq, "any", "w_sq", sources, lambda: dora_quant.row_sq_norm(weight))
+        else:
+            sources, graph_weight = (weight,), weight
+            w = transpose(weight, self.fan_in_fan_out)
+            if not weight.requires_grad and dora_norm.w_sq_reusable(w, lora_A, lora_B):
+                # a frozen W keeps its ||W||²_row across optimizer steps (they skip it): only cross and Gram are new
+                w_sq = memoised(reuse.w_sq, "any", "w_sq", sources, lambda: row_sq_norm(w))
 
         def compute() -> torch.Tensor:
             return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
 
-        if self.training and dora_norm.norm_graph_applies(weight, lora_A, lora_B):
-            # training forwards recompute the norm of the same tensors, updated in place: one graph launch each
-            tensors = (weight, lora_A, lora_B) if w_sq is None else (weight, lora_A, lora_B, w_sq)
+        if self.training and dora_norm.norm_graph_applies(graph_weight, lora_A, lora_B):
+            # training forwards recompute the norm of the same tensors, updated in place: one graph launch each (a
+            # quantized weight's chunked dequantization and GEMMs too: the graph reads its packed storage and scales)
+            tensors = (*sources, lora_A, lora_B) + (() if w_sq is None else (w_sq,))
             extra = (float(scaling), dora_settings.current(), get_dora_norm_threshold_bytes())
             return reuse.graph.run(tensors, extra, compute)
         return compute()

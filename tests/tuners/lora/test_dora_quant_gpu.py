@@ -191,3 +191,36 @@ def test_reentrant_checkpoint_training_step_does_not_wait_for_the_gpu(kind):
         assert dora.tier_counts[dora.TIER_FUSED_BACKWARD] == 2, dict(dora.tier_counts)
         opt.step()
         opt.zero_grad()
+
+
+@pytest.mark.parametrize("kind", ("nf4", "int8"))
+def test_quantized_norm_graph_follows_optimizer_steps(kind):
+    """The chunked quantized norm is captured as a CUDA graph in training and replayed; it reads the adapters'
+    current values: after every optimizer step the replayed norm equals a fresh eager one, and differs from the norm
+    before the step by far more than the tolerance (a stale replay would fail)."""
+    from peft.tuners.lora.dora import _forward_weight
+    from peft.tuners.lora.dora_graph import graph_counts
+
+    model = adapted(kind).train()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    x = torch.randn(2, 128, 512, device="cuda")
+    lora_layer = model.base_model.model.up
+    layer = lora_layer.lora_magnitude_vector["default"]
+    lora_A, lora_B = lora_layer.lora_A["default"].weight, lora_layer.lora_B["default"].weight
+    scaling = lora_layer.scaling["default"]
+    graph_counts.clear()
+    before = None
+    for _ in range(5):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        weight = _forward_weight(lora_layer.base_layer)
+        replayed = layer._fresh_norm(weight, lora_A, lora_B, scaling, "default")
+        eager = dora_quant.row_norm(weight, lora_A, lora_B, scaling)
+        torch.testing.assert_close(replayed, eager, atol=0, rtol=1e-5)
+        if before is not None:
+            assert (replayed - before).abs().max() > 100 * 1e-5 * eager.abs().max()
+        before = replayed.clone()
+    assert graph_counts["replayed"] >= 4, dict(graph_counts)
