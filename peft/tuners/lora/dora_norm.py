@@ -78,6 +78,19 @@ def row_sq_norm(weight: torch.Tensor, chunk_bytes: Optional[int] = None) -> torc
     return w_sq
 
 
+def chain_shapes(weight_shape, lora_A: torch.Tensor, lora_B: torch.Tensor) -> tuple[int, int, int]:
+    """(d_out, d_in, r) of ``W`` [d_out, d_in], ``A`` [r, d_in] and ``B`` [d_out, r]; a ``ValueError`` naming all three
+    shapes where they do not chain."""
+    d_out, d_in = weight_shape
+    r = lora_A.shape[0]
+    if lora_A.shape != (r, d_in) or lora_B.shape != (d_out, r):
+        raise ValueError(
+            f"factored norm: shapes do not chain: W {tuple(weight_shape)}, A {tuple(lora_A.shape)}, "
+            f"B {tuple(lora_B.shape)} (expected A [r, {d_in}] and B [{d_out}, r])"
+        )
+    return d_out, d_in, r
+
+
 @torch.no_grad()
 def factored_row_norm(
     weight: torch.Tensor,
@@ -97,13 +110,7 @@ def factored_row_norm(
         chunk_bytes: budget for the fp32 chunk copies (default: ``PEFT_DORA_NORM_CHUNK_MB``).
         w_sq: ``||W||²_row`` if already known (a frozen weight's cached value), fp32 [d_out].
     """
-    d_out, d_in = weight.shape
-    r = lora_A.shape[0]
-    if lora_A.shape != (r, d_in) or lora_B.shape != (d_out, r):
-        raise ValueError(
-            f"factored norm: shapes do not chain: W {tuple(weight.shape)}, A {tuple(lora_A.shape)}, "
-            f"B {tuple(lora_B.shape)} (expected A [r, {d_in}] and B [{d_out}, r])"
-        )
+    d_out, d_in, r = chain_shapes(weight.shape, lora_A, lora_B)
     if _norm_kernel_applies(weight, lora_A, lora_B):
         return dora_norm_triton.row_norm_checked(weight, lora_A, lora_B, scale)
     budget = get_dora_norm_threshold_bytes() if chunk_bytes is None else chunk_bytes

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .dora_norm import combine_row_norm, hi_lo
+from .dora_norm import chain_shapes, combine_row_norm, hi_lo
 from .dora_settings import get_dora_norm_threshold_bytes
 
 
@@ -190,13 +190,7 @@ def row_norm(
     """``‖W + s·B·A‖`` per row in fp32, detached: the factored norm with ``U = W·Aᵀ`` taken chunk by chunk of
     dequantized rows (the chunk's GEMM on the tensor cores with A split into bf16 hi and lo parts on CUDA, as for
     unquantized half weights). ``w_sq``: ``‖W‖²_row`` if known."""
-    d_out, d_in = weight.shape
-    r = lora_A.shape[0]
-    if lora_A.shape != (r, d_in) or lora_B.shape != (d_out, r):
-        raise ValueError(
-            f"factored norm: shapes do not chain: W {tuple(weight.shape)}, A {tuple(lora_A.shape)}, "
-            f"B {tuple(lora_B.shape)} (expected A [r, {d_in}] and B [{d_out}, r])"
-        )
+    d_out, d_in, r = chain_shapes(weight.shape, lora_A, lora_B)
     scale = float(scale)
     acc = torch.promote_types(lora_A.dtype, torch.float32)
     with torch.autocast(device_type=weight.device.type, enabled=False):
