@@ -577,8 +577,14 @@ def run(args, argv: list) -> int:
 
 
 def write_doc(doc: dict, path: Path) -> None:
+    """The JSON, without machine paths: install targets, the output folder and site-packages become placeholders."""
+    import re
+
     doc["summary"], doc["headline"] = summarize(doc), headline_values(doc)
-    bench_model.write_doc(doc, path)
+    text = bench_model.scrub(json.dumps(doc), {"out": path.resolve().parent})
+    text = re.sub(r'"/[^"]*/targets/([^"/]+)/', r'"<target>/\1/', text)
+    text = re.sub(r'"/[^"]*/(qdora[^"/]*\.json)"', r'"<out>/\1"', text)  # outputs of earlier (merged) runs
+    bench_model.write_doc(json.loads(text), path)
 
 
 def finish(doc: dict, out: Path, args) -> int:

@@ -257,7 +257,8 @@ def test_cpu_smoke_runs_the_whole_pipeline(tmp_path):
         "--ours-wheel", str(Path(peft.__file__).resolve().parent.parent), "--upstream-wheel", str(upstream.wheel()),
     ])  # fmt: skip
     doc = json.loads(out.read_text())
-    assert doc["kind"] == "cpu_smoke" and doc["env"]["bitsandbytes"] and out.with_suffix(".png").exists()
+    assert doc["kind"] == "cpu_smoke" and doc["env"]["bitsandbytes"]
+    assert "/" + "tmp/" not in out.read_text().replace(str(tmp_path), "")  # no machine paths but the test's own
     # upstream's own dequantize_module_weight re-wraps an Int8Params on CPU and loses its scales: its int8 QDoRA
     # fails there (not on a GPU); nothing else may
     assert {(e["impl"], e.get("quant")) for e in doc["errors"]} <= {("upstream", "int8")}
