@@ -581,7 +581,8 @@ def write_doc(doc: dict, path: Path) -> None:
     import re
 
     doc["summary"], doc["headline"] = summarize(doc), headline_values(doc)
-    text = bench_model.scrub(json.dumps(doc), {"out": path.resolve().parent})
+    repo = Path(__file__).resolve().parent.parent
+    text = bench_model.scrub(json.dumps(doc), {"out": path.resolve().parent, "repo": repo})
     text = re.sub(r'"/[^"]*/targets/([^"/]+)/', r'"<target>/\1/', text)
     text = re.sub(r'"/[^"]*/(qdora[^"/]*\.json)"', r'"<out>/\1"', text)  # outputs of earlier (merged) runs
     bench_model.write_doc(json.loads(text), path)

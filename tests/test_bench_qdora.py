@@ -258,7 +258,8 @@ def test_cpu_smoke_runs_the_whole_pipeline(tmp_path):
     ])  # fmt: skip
     doc = json.loads(out.read_text())
     assert doc["kind"] == "cpu_smoke" and doc["env"]["bitsandbytes"]
-    assert "/" + "tmp/" not in out.read_text().replace(str(tmp_path), "")  # no machine paths but the test's own
+    text = out.read_text()  # no machine paths: the checkout, install targets and site-packages are placeholders
+    assert str(REPO_ROOT) not in text and "site-packages/" not in text.replace("<site-packages>/", ""), text[:2000]
     # upstream's own dequantize_module_weight re-wraps an Int8Params on CPU and loses its scales: its int8 QDoRA
     # fails there (not on a GPU); nothing else may
     assert {(e["impl"], e.get("quant")) for e in doc["errors"]} <= {("upstream", "int8")}
