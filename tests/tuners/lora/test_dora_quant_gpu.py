@@ -16,8 +16,6 @@ from peft.utils.integrations import dequantize_module_weight
 
 pytestmark = pytest.mark.gpu
 bnb = pytest.importorskip("bitsandbytes", reason="QDoRA needs bitsandbytes")
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
 
 KINDS = ("nf4", "fp4", "int8")
 
