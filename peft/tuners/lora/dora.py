@@ -529,9 +529,9 @@ def _register_magnitude(module) -> None:
         module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)
 
 
-def _merge_factor(module, active_adapter: str, weight_norm: torch.Tensor, view_shape) -> torch.Tensor:
+def _merge_factor(module, active_adapter: str, weight_norm: torch.Tensor, view_shape, weight_dtype) -> torch.Tensor:
+    """m / norm shaped for the weight; ``weight_dtype`` is the (dequantized) base weight's, which sets eps."""
     magnitude = module.lora_magnitude_vector[active_adapter].weight.reshape(-1)
-    weight_dtype = _forward_weight(module.get_base_layer()).dtype  # quantized bases: the dequantized dtype
     return magnitude_scale(magnitude, weight_norm.reshape(-1), weight_dtype).reshape(view_shape)
 
 
@@ -580,7 +580,7 @@ class _DoraVariantBase(LoraVariant):
             lora_A, lora_B = cls._factors(module, active_adapter)
             weight_norm = dora_layer.get_weight_norm(base_weight, lora_A, lora_B, module.scaling[active_adapter])
         module._cache_store(f"{active_adapter}-weight_norm", weight_norm)
-        factor = _merge_factor(module, active_adapter, weight_norm, cls._factor_view(module))
+        factor = _merge_factor(module, active_adapter, weight_norm, cls._factor_view(module), base_weight.dtype)
         return delta_weight, factor
 
     @classmethod
@@ -600,7 +600,7 @@ class _DoraVariantBase(LoraVariant):
     def unmerge(cls, module, active_adapter: str, orig_weight: torch.Tensor) -> torch.Tensor:
         delta_weight = module.get_delta_weight(active_adapter)
         weight_norm = module._cache_pop(f"{active_adapter}-weight_norm")
-        factor = _merge_factor(module, active_adapter, weight_norm, cls._factor_view(module))
+        factor = _merge_factor(module, active_adapter, weight_norm, cls._factor_view(module), orig_weight.dtype)
         return (orig_weight.data / factor - delta_weight).to(orig_weight.dtype)
 
 

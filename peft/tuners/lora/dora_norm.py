@@ -55,15 +55,35 @@ def matmul_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, split: bool =
     ``split`` (``b`` holds values wider than ``a``'s dtype, e.g. fp32 adapters on a bf16 weight): then it goes in as
     a hi and a lo half-precision part side by side, one GEMM of twice the columns. Rounding fp32 ``A`` to bf16 for
     ``W·Aᵀ`` measured up to 1.1e-5 relative error in the norm on the H200 (‖s·B·A‖ = 0.1‖W‖), above the 1e-5
-    contract; with the split, ≤ 1.6e-7.
+    contract; with the split, ≤ 1.6e-7. Several ``a`` against one ``b``: :func:`acc_operand` once, then
+    :func:`matmul_operand` per ``a``.
     """
-    if not (a.is_cuda and a.dtype in (torch.float16, torch.bfloat16)):
-        return a.to(acc) @ b.to(acc)
-    if not split:
-        return torch.mm(a, b.to(a.dtype), out_dtype=acc)
-    n = b.shape[1]
-    out = torch.mm(a, hi_lo(b, a.dtype, 1), out_dtype=acc)  # [a·b_hi | a·b_lo]
-    return out[:, :n].add_(out[:, n:])
+    return matmul_operand(a, acc_operand(a, b, acc, split), b.shape[1], acc)
+
+
+def acc_operand(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, split: bool = False) -> torch.Tensor:
+    """``b`` as :func:`matmul_acc` multiplies it with ``a`` (or with any ``a`` of the same dtype and device): in
+    ``acc`` off the tensor cores, else rounded to ``a``'s dtype, or with ``split`` its hi and lo parts side by side."""
+    if not _on_tensor_cores(a):
+        return b.to(acc)
+    return hi_lo(b, a.dtype, 1) if split else b.to(a.dtype)
+
+
+def matmul_operand(
+    a: torch.Tensor, operand: torch.Tensor, n: int, acc: torch.dtype, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``a @ b`` in ``acc`` from ``b``'s :func:`acc_operand` (``n``: ``b``'s columns), into ``out`` if given."""
+    if not _on_tensor_cores(a):
+        return a.to(acc) @ operand if out is None else torch.mm(a.to(acc), operand, out=out)
+    product = torch.mm(a, operand, out_dtype=acc)
+    if operand.shape[1] == n:
+        return product if out is None else out.copy_(product)
+    # [a·b_hi | a·b_lo]
+    return product[:, :n].add_(product[:, n:]) if out is None else torch.add(product[:, :n], product[:, n:], out=out)
+
+
+def _on_tensor_cores(a: torch.Tensor) -> bool:
+    return a.is_cuda and a.dtype in (torch.float16, torch.bfloat16)
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .dora_norm import chain_shapes, combine_row_norm, hi_lo
+from .dora_norm import acc_operand, chain_shapes, combine_row_norm, matmul_operand
 from .dora_settings import get_dora_norm_threshold_bytes
 
 
@@ -45,8 +45,9 @@ from .dora_settings import get_dora_norm_threshold_bytes
 # (4096 rows of 4096 columns) for the GEMM to run at speed.
 CHUNK_BYTES = 32 << 20
 
-_INT8_DEQUANT = 1.0 / 127.0  # bitsandbytes' LLM.int8 row scale: W = int8 · SCB / 127
-_INT8_UPSTREAM = 7.874015718698502e-3  # the same as upstream writes it (1/127 rounded): bitwise its dequantization
+# LLM.int8's row scale: W = int8 · SCB / 127, with 1/127 as upstream writes it (fp32's 1/127, the value a float
+# tensor's product with either literal uses)
+_INT8_SCALE = 7.874015718698502e-3
 
 
 def quantized_kind(weight) -> Optional[str]:
@@ -68,11 +69,10 @@ class QuantizedWeight:
     scales): a norm kept for them is stale once any is replaced or written.
     """
 
-    __slots__ = ("layer", "param", "kind", "shape", "dtype", "device", "sources", "_scales")
-    requires_grad = False
+    __slots__ = ("param", "kind", "shape", "dtype", "device", "sources", "_scales")
 
     def __init__(self, layer: nn.Module, param: torch.Tensor, kind: str):
-        self.layer, self.param, self.kind, self.device = layer, param, kind, param.device
+        self.param, self.kind, self.device = param, kind, param.device
         self._scales = None
         if kind == "4bit":
             state = param.quant_state
@@ -124,7 +124,7 @@ class QuantizedWeight:
             return values, None
         values = self.param.data[start:stop]
         half = torch.bfloat16 if values.is_cuda else torch.float32
-        return values.to(half), self.sources[1][start:stop].float() * _INT8_DEQUANT
+        return values.to(half), self.sources[1][start:stop].float() * _INT8_SCALE
 
     def _absmax(self) -> torch.Tensor:
         """The 4-bit blocks' fp32 scales (nested ones dequantized once per norm)."""
@@ -145,7 +145,7 @@ class QuantizedWeight:
             import bitsandbytes as bnb
 
             return bnb.functional.dequantize_4bit(self.param.data, self.param.quant_state)
-        return self.param.data.float() * self.sources[1].view(-1, 1).float() * _INT8_UPSTREAM
+        return self.param.data.float() * self.sources[1].view(-1, 1).float() * _INT8_SCALE
 
 
 def _int8_scales(layer: nn.Module, param: torch.Tensor) -> torch.Tensor:
@@ -200,34 +200,17 @@ def row_norm(
             return w_sq.sqrt()
         a_t = lora_A.to(weight.device, acc).T
         u = torch.empty(d_out, r, dtype=acc, device=weight.device)
-        step, a_chunk = weight.chunk_rows(), None
+        step, operand = weight.chunk_rows(), None
         for start in range(0, d_out, step):
             stop = min(d_out, start + step)
             values, row_scale = weight.rows(start, stop)
-            if a_chunk is None:  # Aᵀ as the chunks' GEMM takes it, made once: [A_hiᵀ | A_loᵀ] for half rows on CUDA
-                a_chunk = chunk_operand(a_t, values)
-            part = u[start:stop]
-            if a_chunk.dtype == values.dtype and values.is_cuda:
-                both = torch.mm(values, a_chunk, out_dtype=acc)
-                if both.shape[1] == r:
-                    part.copy_(both)
-                else:
-                    torch.add(both[:, :r], both[:, r:], out=part)
-            else:
-                torch.mm(values.to(acc), a_chunk, out=part)
+            if operand is None:  # Aᵀ as every chunk's GEMM takes it, made once; split as in dora_norm's factored norm
+                split = torch.finfo(lora_A.dtype).bits > torch.finfo(values.dtype).bits
+                operand = acc_operand(values, a_t, acc, split)
+            part = matmul_operand(values, operand, r, acc, out=u[start:stop])
             if row_scale is not None:
                 part.mul_(row_scale[:, None])
         return combine_row_norm(w_sq.to(acc), u, a_t.T @ a_t, lora_B.to(weight.device, acc), scale)
-
-
-def chunk_operand(a_t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``Aᵀ`` ([d_in, r], fp32) for ``values @ Aᵀ`` in fp32: on CUDA with half rows ``[hi | lo]`` in their dtype
-    (``dora_norm.hi_lo``: A keeps ~16 of its 24 bits on the tensor cores), else ``Aᵀ`` itself (the rows are upcast)."""
-    if values.is_cuda and values.dtype in (torch.float16, torch.bfloat16):
-        if torch.finfo(a_t.dtype).bits > torch.finfo(values.dtype).bits:
-            return hi_lo(a_t, values.dtype, 1)
-        return a_t.to(values.dtype)
-    return a_t
 
 
 def base_output(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
@@ -245,8 +228,8 @@ class _DequantizedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight: QuantizedWeight):
         ctx.weight, ctx.x_dtype = weight, x.dtype
-        ctx.autocast = torch.is_autocast_enabled(x.device.type)
-        ctx.dtype = torch.get_autocast_dtype(x.device.type) if ctx.autocast else x.dtype
+        autocast = torch.is_autocast_enabled(x.device.type)
+        ctx.dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
         return torch.nn.functional.linear(x, weight.dequantize().to(x.dtype))
 
     @staticmethod
