@@ -78,3 +78,51 @@ def to_upstream(model: nn.Module) -> nn.Module:
             theirs.train(ours.training)
             module.lora_magnitude_vector[name] = theirs
     return clone
+
+
+@torch.no_grad()
+def perturb_magnitudes(model: nn.Module, spread: float = 0.3) -> nn.Module:
+    """Every DoRA magnitude scaled by ``1 + spread·N(0, 1)``: away from the norm it is initialised to, as after
+    training, so that a wrong norm or magnitude changes the output."""
+    for name, param in model.named_parameters():
+        if "lora_magnitude_vector" in name:
+            param.mul_(1 + spread * torch.randn_like(param))
+    return model
+
+
+def bnb_linear(kind: str, d_in: int, d_out: int, bias: bool = False, seed: int = 0, device: str = "cpu") -> nn.Module:
+    """A bitsandbytes Linear of ``kind`` (``nf4`` with double quantization, ``fp4``, ``int8``), quantized on
+    ``device`` from a seeded bf16 Linear; the bias (if any) stays fp32."""
+    import bitsandbytes as bnb
+
+    torch.manual_seed(seed)
+    dense = nn.Linear(d_in, d_out, bias=bias).to(torch.bfloat16)
+    if kind == "int8":
+        layer = bnb.nn.Linear8bitLt(d_in, d_out, bias=bias, has_fp16_weights=False)
+        layer.weight = bnb.nn.Int8Params(dense.weight.data, requires_grad=False, has_fp16_weights=False)
+    else:
+        nested = kind == "nf4"
+        layer = bnb.nn.Linear4bit(d_in, d_out, bias=bias, compute_dtype=torch.bfloat16, quant_type=kind,
+                                  compress_statistics=nested)  # fmt: skip
+        layer.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, quant_type=kind,
+                                         compress_statistics=nested)  # fmt: skip
+    if bias:
+        layer.bias = nn.Parameter(dense.bias.data.float(), requires_grad=False)
+    return layer.to(device)
+
+
+class BnbNet(nn.Module):
+    """Two bitsandbytes projections (``dims`` = in, middle, out) with an fp32 LayerNorm between them: the QLoRA
+    recipe's fp32 hidden states in small."""
+
+    def __init__(self, kind: str, dims=(64, 96, 40), bias: bool = False, device: str = "cpu"):
+        super().__init__()
+        d_in, d_mid, d_out = dims
+        self.up = bnb_linear(kind, d_in, d_mid, bias=bias, seed=1, device=device)
+        self.norm = nn.LayerNorm(d_mid, device=device)
+        self.down = bnb_linear(kind, d_mid, d_out, bias=bias, seed=2, device=device)
+        self.is_loaded_in_4bit = kind != "int8"  # how PEFT learns to dispatch to its bitsandbytes LoRA layers
+        self.is_loaded_in_8bit = kind == "int8"
+
+    def forward(self, x):
+        return self.down(self.norm(self.up(x)))

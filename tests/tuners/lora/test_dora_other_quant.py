@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchao.quantization as ao
-from dora_testing import assert_close, to_upstream, upstream_modules
+from dora_testing import assert_close, perturb_magnitudes, to_upstream, upstream_modules
 from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
 from torch import nn
 
@@ -90,11 +90,7 @@ def adapted(case: str, dropout: float = 0.0) -> nn.Module:
     # init_lora_weights=False: a non-zero B, so the cross and Gram terms of the norm matter
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["lin0", "lin1"], use_dora=True, lora_dropout=dropout,
                         init_lora_weights=False)  # fmt: skip
-    model = get_peft_model(quantized_mlp(case), config)
-    with torch.no_grad():  # magnitudes away from the initial norm, as after training
-        for name, param in model.named_parameters():
-            if "lora_magnitude_vector" in name:
-                param.mul_(1 + 0.3 * torch.randn_like(param))
+    model = perturb_magnitudes(get_peft_model(quantized_mlp(case), config))
     lora_class = HqqLoraLinear if case.startswith("hqq") else TorchaoLoraLinear
     assert all(isinstance(model.base_model.model.get_submodule(n), lora_class) for n in ("lin0", "lin1"))
     return model

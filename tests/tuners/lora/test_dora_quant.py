@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dora_testing import TOL, assert_close, to_upstream
+from dora_testing import TOL, BnbNet, assert_close, bnb_linear, perturb_magnitudes, to_upstream
 from torch import nn
 
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -31,49 +31,11 @@ HERE = Path(__file__).resolve().parent
 KINDS = ("nf4", "fp4", "int8")
 
 
-def quantized_linear(kind: str, d_in: int, d_out: int, bias: bool = False, seed: int = 0) -> nn.Module:
-    """A bitsandbytes Linear of ``kind`` quantized on the CPU from a seeded bf16 Linear."""
-    torch.manual_seed(seed)
-    dense = nn.Linear(d_in, d_out, bias=bias).to(torch.bfloat16)
-    if kind == "int8":
-        layer = bnb.nn.Linear8bitLt(d_in, d_out, bias=bias, has_fp16_weights=False)
-        layer.weight = bnb.nn.Int8Params(dense.weight.data.float(), requires_grad=False, has_fp16_weights=False)
-    else:
-        nested = kind == "nf4"
-        layer = bnb.nn.Linear4bit(d_in, d_out, bias=bias, compute_dtype=torch.bfloat16, quant_type=kind,
-                                  compress_statistics=nested)  # fmt: skip
-        layer.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, quant_type=kind,
-                                         compress_statistics=nested)  # fmt: skip
-    if bias:
-        layer.bias = nn.Parameter(dense.bias.data.float(), requires_grad=False)
-    return layer.to("cpu")
-
-
-class Net(nn.Module):
-    """Two quantized projections with an fp32 norm between them: the QLoRA recipe's fp32 hidden states in small."""
-
-    def __init__(self, kind: str, bias: bool = False):
-        super().__init__()
-        self.up = quantized_linear(kind, 64, 96, bias=bias, seed=1)
-        self.norm = nn.LayerNorm(96)
-        self.down = quantized_linear(kind, 96, 40, bias=bias, seed=2)
-        self.is_loaded_in_4bit = kind != "int8"
-        self.is_loaded_in_8bit = kind == "int8"
-
-    def forward(self, x):
-        return self.down(self.norm(self.up(x)))
-
-
 def adapted(kind: str, dropout: float = 0.0, bias: bool = False) -> nn.Module:
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["up", "down"], use_dora=True, lora_dropout=dropout,
                         init_lora_weights=False)  # fmt: skip
     torch.manual_seed(3)
-    model = get_peft_model(Net(kind, bias=bias), config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_magnitude_vector" in name:
-                param.mul_(1 + 0.3 * torch.randn_like(param))
-    return model
+    return perturb_magnitudes(get_peft_model(BnbNet(kind, bias=bias), config))
 
 
 def dora_layers(model):
@@ -94,7 +56,7 @@ def expected_tier(training: bool) -> str:
 @pytest.mark.parametrize("d_in", (128, 100))
 @pytest.mark.parametrize("kind", KINDS)
 def test_chunked_norm_matches_dense_norm_of_upstream_dequantization(kind, d_in, monkeypatch):
-    layer = quantized_linear(kind, d_in, 72)
+    layer = bnb_linear(kind, d_in, 72)
     dense = dequantize_module_weight(layer).float()  # upstream's dequantization, whole
     weight = dora_quant.quantized_weight(layer)
     assert weight.shape == dense.shape and weight.dtype == (torch.float32 if kind == "int8" else torch.bfloat16)
@@ -209,7 +171,7 @@ def test_eval_decode_steps_match_upstream(kind, autocast):
 def test_initial_magnitude_is_upstreams(kind):
     """The magnitude is the checkpoint's content: the same values and dtype as upstream's initialisation."""
     up_dora, _ = __import__("dora_testing").upstream_modules()
-    layer = quantized_linear(kind, 64, 48)
+    layer = bnb_linear(kind, 64, 48)
     torch.manual_seed(0)
     lora_A, lora_B = torch.randn(8, 64) * 0.1, torch.randn(48, 8) * 0.1
     ours, theirs = dora.DoraLinearLayer(False), up_dora.DoraLinearLayer(False)
@@ -278,7 +240,7 @@ def test_requantized_weight_is_never_served_a_stale_norm(kind):
     with torch.no_grad():
         before = model(x)
         lora_layer = model.base_model.model.up
-        replacement = quantized_linear(kind, 64, 96, seed=7)
+        replacement = bnb_linear(kind, 64, 96, seed=7)
         lora_layer.base_layer.weight = replacement.weight
         if kind == "int8":
             lora_layer.base_layer.state = replacement.state

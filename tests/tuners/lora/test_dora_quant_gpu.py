@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dora_testing import assert_close, to_upstream
+from dora_testing import BnbNet, assert_close, bnb_linear, perturb_magnitudes, to_upstream
 from torch import nn
 
 from peft import LoraConfig, get_peft_model
@@ -20,43 +20,11 @@ bnb = pytest.importorskip("bitsandbytes", reason="QDoRA needs bitsandbytes")
 KINDS = ("nf4", "fp4", "int8")
 
 
-def quantized_linear(kind: str, d_in: int, d_out: int, seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    dense = nn.Linear(d_in, d_out, bias=False).to(torch.bfloat16)
-    if kind == "int8":
-        layer = bnb.nn.Linear8bitLt(d_in, d_out, bias=False, has_fp16_weights=False)
-        layer.weight = bnb.nn.Int8Params(dense.weight.data, requires_grad=False, has_fp16_weights=False)
-    else:
-        layer = bnb.nn.Linear4bit(d_in, d_out, bias=False, compute_dtype=torch.bfloat16, quant_type=kind,
-                                  compress_statistics=kind == "nf4")  # fmt: skip
-        layer.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, quant_type=kind,
-                                         compress_statistics=kind == "nf4")  # fmt: skip
-    return layer.to("cuda")  # quantized on the GPU
-
-
-class Net(nn.Module):
-    def __init__(self, kind: str, d: int = 512):
-        super().__init__()
-        self.up = quantized_linear(kind, d, 2 * d, seed=1)
-        self.norm = nn.LayerNorm(2 * d, device="cuda")
-        self.down = quantized_linear(kind, 2 * d, d, seed=2)
-        self.is_loaded_in_4bit = kind != "int8"
-        self.is_loaded_in_8bit = kind == "int8"
-
-    def forward(self, x):
-        return self.down(self.norm(self.up(x)))
-
-
 def adapted(kind: str, dropout: float = 0.0):
     config = LoraConfig(r=16, lora_alpha=32, target_modules=["up", "down"], use_dora=True, lora_dropout=dropout,
                         init_lora_weights=False)  # fmt: skip
     torch.manual_seed(3)
-    model = get_peft_model(Net(kind), config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_magnitude_vector" in name:
-                param.mul_(1 + 0.3 * torch.randn_like(param))
-    return model
+    return perturb_magnitudes(get_peft_model(BnbNet(kind, dims=(512, 1024, 512), device="cuda"), config))
 
 
 def fp32_reference(model):
@@ -114,7 +82,7 @@ def test_fused_training_against_fp32_reference_and_upstream(kind, autocast):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_cross_term_on_tensor_cores_keeps_fp32_precision(kind):
-    layer = quantized_linear(kind, 1024, 768, seed=5)
+    layer = bnb_linear(kind, 1024, 768, seed=5, device="cuda")
     weight = dora_quant.quantized_weight(layer)
     dense = dequantize_module_weight(layer).double()
     torch.manual_seed(0)
