@@ -1054,16 +1054,21 @@ def headline_values(doc: dict) -> dict:
 
 
 def update_headline(doc: dict, path: Path) -> dict:
-    """Read-modify-write ``path``: set the keys we computed, drop those the run did not measure (None), keep every
-    other key (added by hand)."""
-    if doc.get("kind") != "gpu" and "cpu_smoke" not in path.parts:
-        raise SystemExit(f"refusing to write CPU numbers into {path}: CPU runs write under results/cpu_smoke/")
+    """:func:`write_headline` of this run's :func:`headline_values`; points whose gradient proof failed are named."""
     for line in proof_failures(doc):
         print(f"ERROR {line}: left out of the headline", file=sys.stderr)
+    return write_headline(doc.get("kind"), headline_values(doc), path)
+
+
+def write_headline(kind: str, values: dict, path: Path) -> dict:
+    """Read-modify-write ``path``: set the keys computed (not None), drop those the run could have measured but did
+    not (None: no older run's value stays), keep every other key (added by hand); returns the keys set. Only a GPU
+    run (``kind``) writes outside a ``cpu_smoke`` folder."""
+    if kind != "gpu" and "cpu_smoke" not in path.parts:
+        raise SystemExit(f"refusing to write {kind} numbers into {path}: CPU runs write under results/cpu_smoke/")
     current = json.loads(path.read_text()) if path.exists() else {}
-    values = headline_values(doc)
     new = {k: v for k, v in values.items() if v is not None}
-    for k, v in values.items():  # a key this run could have measured but did not: no older run's value stays
+    for k, v in values.items():
         if v is None:
             current.pop(k, None)
     current.update(new)

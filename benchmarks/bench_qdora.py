@@ -374,18 +374,8 @@ def merge_docs(docs: list) -> dict:
 
 
 def update_headline(doc: dict, path: Path) -> dict:
-    """Read-modify-write ``path``: set the keys computed here, drop those the run could have set but did not (None),
-    keep every other key."""
-    if doc["kind"] != "gpu" and "cpu_smoke" not in path.parts:
-        raise SystemExit(f"refusing to write {doc['kind']} numbers into {path}: CPU runs write under cpu_smoke/")
-    current = json.loads(path.read_text()) if path.exists() else {}
-    values = headline_values(doc)
-    current.update({k: v for k, v in values.items() if v is not None})
-    for k in [k for k, v in values.items() if v is None]:
-        current.pop(k, None)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
-    return values
+    """``bench_model.write_headline`` of this run's :func:`headline_values` (the qdora_* keys)."""
+    return bench_model.write_headline(doc["kind"], headline_values(doc), path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
