@@ -361,16 +361,24 @@ def speed_rank(model, cfg, mode, device, measures, warmup, repeats, compile_mode
     zero = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
     results = {}
 
+    # A training step as users run it ends with the optimizer step: AdamW changes A, B and m in place, so every
+    # step pays what DoRA pays per optimizer step (a fresh norm, the magnitude's zero test). The gradients stay for
+    # the proof (``after``); ``before`` drops them, untimed.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-6, foreach=True)
+
     def train_step():
         with ctx():
             loss = forward(input_ids=ids, labels=labels, use_cache=False).loss
         loss.backward()
+        optimizer.step()
 
     def train_accum():
         for _ in range(ACCUM_STEPS):
             with ctx():
                 loss = forward(input_ids=ids, labels=labels, use_cache=False).loss / ACCUM_STEPS
             loss.backward()
+        optimizer.step()
 
     model.train()
     proof = GradProof(model)
@@ -382,14 +390,10 @@ def speed_rank(model, cfg, mode, device, measures, warmup, repeats, compile_mode
         results["train_accum4"]["grad_proof"] = proof.result()
     zero()
     if "step_accum4" in measures:
-        # A whole optimizer step: 4 micro-steps with checkpointing, then AdamW, which changes A, B and m in place;
-        # the norm computations it counts are the ones an optimizer step really costs.
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-6, foreach=True)
-
+        # train_accum4 with the gradients dropped inside the step; the norm computations it counts are the ones an
+        # optimizer step really costs.
         def optimizer_step():
             train_accum()
-            optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         res = measure(optimizer_step, device, max(1, warmup - 1), repeats)
@@ -399,8 +403,9 @@ def speed_rank(model, cfg, mode, device, measures, warmup, repeats, compile_mode
             None if computed is None or not res["dora_modules"] else computed / (repeats * res["dora_modules"])
         )
         results["step_accum4"] = res
-        del optimizer, params
         zero()
+    optimizer.state.clear()  # AdamW's moments, freed before the inference measures
+    del trainable
     release()
 
     model.eval()

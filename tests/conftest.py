@@ -46,8 +46,8 @@ def dora_env():
 
 @pytest.fixture
 def dora_switches():
-    """``dora_switches(decode_kernels=False, ...)`` sets DoRA settings fields (``dora_settings.override``) until the test
-    ends; a later call wins over an earlier one."""
+    """``dora_switches(decode_kernels=False, ...)`` sets DoRA settings fields (``dora_settings.override``) until the
+    test ends; a later call wins over an earlier one."""
     import contextlib
 
     from peft.tuners.lora import dora_settings

@@ -168,7 +168,9 @@ def test_compare_report_names_the_tier_that_ran():
 
     cfg = {"model": {"config_kwargs": {"hidden_size": 2048, "num_hidden_layers": 4}, "seq": 1024, "batch": 1},
            "ranks": [16], "modes": ["autocast"], "measures": ["train", "infer"]}  # fmt: skip
-    speed = [rec("upstream", "train", 30.0), rec("ours_fused", "train", 12.0, {"eager": 56}), rec("lora", "train", 10.0)]
+    speed = [
+        rec("upstream", "train", 30.0), rec("ours_fused", "train", 12.0, {"eager": 56}), rec("lora", "train", 10.0)
+    ]  # fmt: skip
     doc = {"config": cfg, "env": {"gpu": "NVIDIA H200"}, "speed": speed, "errors": []}
     text = compare.report(doc)
     assert "autocast train" in text and "1.200" in text and "2.50" in text and "infer" not in text.split("\n", 3)[3]

@@ -37,7 +37,7 @@ from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 from peft.utils.other import transpose
 
 from . import dora_decode, dora_fused, dora_norm, dora_quant, dora_settings
-from .dora_cache import LayerReuse, capturing, memoised, reused, source, watch_merges
+from .dora_cache import LayerReuse, capturing, memoised, prefetch_zero_test, reused, source, watch_merges
 from .dora_cache import invalidate_norm_caches as invalidate_norm_caches  # public here, as documented
 from .dora_cache import norm_counts as norm_counts  # public here, as documented
 from .dora_dispatch import (
@@ -242,7 +242,7 @@ class DoraLinearLayer(nn.Module):
         if self.training and not gates.grad and gates.fused and magnitude.requires_grad and magnitude.is_cuda:
             # the no-grad first pass of a reentrant checkpoint: start the magnitude's zero test now, so that the
             # training node of the recompute (in the backward) finds the answer instead of waiting for the GPU
-            dora_fused.prefetch_zero_test(magnitude, self._reuse.zero_free)
+            prefetch_zero_test(magnitude, self._reuse.zero_free)
         factors = None
         if gates.reuses_factors:
             factors = self._factors(weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name)
@@ -644,7 +644,15 @@ class DoraLinearVariant(_DoraVariantBase):
                 x, result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,
                 adapter_name=active_adapter,
             )  # fmt: skip
-        # with dropout the base output of the dropped-out input is needed: W·dropout(x) is recomputed in slices
+        if dora_settings.current().dropout == "branch":
+            # PEFT_DORA_DROPOUT=branch: dropout on the LoRA branch's input only, y = g·(W·x + s·B·A·dropout(x)),
+            # which is the no-dropout path with a dropped-out branch input (no second base matmul)
+            return dora_layer.adapted_output(
+                dropout(x), result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,
+                adapter_name=active_adapter,
+            )  # fmt: skip
+        # upstream's semantics: the magnitude scales the base output of the dropped-out input, so W·dropout(x) is
+        # computed too (in output slices)
         return result + dora_layer(
             dropout(x), lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer, base_result=None,
             adapter_name=active_adapter,

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .dora_graph import NormGraph, same_objects
 
@@ -53,10 +54,17 @@ def invalidate_norm_caches() -> None:
     _bump_merge_epoch()
 
 
+def _after_optimizer_step(*_args, **_kwargs) -> None:
+    _bump_epoch()
+    if _zero_watch:
+        prefetch_zero_tests()
+
+
 # Optimizers built on torch.optim (PyTorch's, bitsandbytes', DeepSpeed's) may write parameters through `.data`,
 # which PyTorch's version counters do not see; a global step hook catches all of them. They skip parameters without
-# a gradient, so a frozen weight's memo (``Memo(frozen=True)``) survives the steps.
-register_optimizer_step_post_hook(_bump_epoch)
+# a gradient, so a frozen weight's memo (``Memo(frozen=True)``) survives the steps. The same hook starts the zero
+# tests of the magnitudes' new values (``prefetch_zero_tests``).
+register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 def watch_merges(cls: type) -> None:
@@ -261,3 +269,86 @@ class LayerReuse:
 
     def __reduce__(self):
         return (LayerReuse, ())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The magnitude's zero test: whether a training output node may read ``inner`` back from its output.
+# ---------------------------------------------------------------------------------------------------------------
+
+_zero_watch = WeakIdKeyDictionary()  # CUDA magnitude -> its layer's ``zero_free`` memo, for prefetch_zero_tests
+
+
+def output_saves_itself(magnitude: torch.Tensor, known: Optional[Memo]) -> bool:
+    """Whether a training output node's backward can take ``inner`` from the output itself: ``y - bias = g·inner``
+    recovers it wherever g is finite and non-zero, i.e. wherever m is (the test is ``m·(1/m)`` finite, which also
+    sends an m whose reciprocal overflows to the safe side).
+
+    Saving y instead of a separate ``inner`` buffer costs nothing where the next op saves y anyway (the MLP's gate
+    and up projections feed SiLU and a product, attention's value projection feeds SDPA) and the same memory
+    elsewhere. A magnitude with a zero keeps the ``inner`` buffer. The test reads a GPU value on the host, so a DoRA
+    layer passes its ``known`` memo (``LayerReuse.zero_free``): the test runs once per value of m (every micro-step
+    and checkpoint recompute reuses the answer), and it is started ahead, where the answer is waited for only if it
+    has not arrived (an event): after each optimizer step for every magnitude seen here (``prefetch_zero_tests``),
+    and in the no-grad first pass of a reentrant checkpoint (``prefetch_zero_test``). Only a magnitude that changed
+    outside both (the first step, an in-place edit) makes the host wait. Without a memo it runs every call. During
+    CUDA-graph capture, where a sync is not allowed, the buffer is kept.
+    """
+    if magnitude.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    hit = None if known is None else known.get((magnitude,))
+    if isinstance(hit, bool):
+        return hit
+    if hit is not None:  # (event, pinned host flag "has a zero") from a started test
+        event, has_zero = hit
+        event.synchronize()  # a no-op where the copy is done
+        no_zero = not bool(has_zero)
+    else:
+        no_zero = bool(_has_zero(magnitude).logical_not_())
+    if known is not None:
+        known.put((magnitude,), no_zero)
+        if magnitude.is_cuda and type(magnitude) is nn.Parameter:
+            _zero_watch[magnitude] = known
+    return no_zero
+
+
+def _has_zero(*magnitudes: torch.Tensor) -> torch.Tensor:
+    """A bool scalar on the magnitudes' device: some entry is zero, infinite, NaN or so small that its reciprocal
+    overflows (``m·(1/m)`` is not finite), where ``inner`` cannot be read back from ``g·inner``."""
+    m = torch.cat([t.detach().reshape(-1) for t in magnitudes]) if len(magnitudes) > 1 else magnitudes[0].detach()
+    return torch.isfinite(m * m.reciprocal()).logical_not_().any()
+
+
+def _start(has_zero: torch.Tensor):
+    """(event, pinned flag): ``has_zero`` copied to the host without waiting, behind an event."""
+    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+    flag.copy_(has_zero, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return event, flag
+
+
+def prefetch_zero_test(magnitude: torch.Tensor, known: Memo) -> None:
+    """Start :func:`output_saves_itself`'s test for this value of m without waiting (the training node reads it
+    later: a reentrant checkpoint's recompute runs in the backward, long after). Nothing to do where the answer or a
+    started test is kept for this value of m."""
+    if known.get((magnitude,)) is not None or torch.cuda.is_current_stream_capturing():
+        return
+    known.put((magnitude,), _start(_has_zero(magnitude)))
+
+
+def prefetch_zero_tests() -> None:
+    """Start the zero test of every magnitude a training node has asked about, after an optimizer step changed
+    them: one test per device for all of them (a zero anywhere sends every node of that device to the saved
+    buffer until the next step), so the next forwards find the answer instead of waiting for the GPU, once per
+    module and step, under non-reentrant checkpointing or none."""
+    by_device: dict = {}
+    for magnitude, known in list(_zero_watch.items()):
+        if magnitude.requires_grad and magnitude.is_cuda:
+            by_device.setdefault(magnitude.device, []).append((magnitude, known))
+    for device, watched in by_device.items():
+        with torch.cuda.device(device):
+            if torch.cuda.is_current_stream_capturing():
+                continue
+            started = _start(_has_zero(*(m for m, _ in watched)))
+        for magnitude, known in watched:
+            known.put((magnitude,), started)

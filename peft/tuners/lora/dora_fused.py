@@ -34,12 +34,11 @@ and column slices (``x[..., a:b]``) run without copies. Offsets are int64 throug
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .dora_cache import Memo
+from .dora_cache import output_saves_itself
 from .dora_dispatch import KERNEL_DTYPES, compose_layout, kernels_available, output_layout, records_grad, row_stride
 from .dora_launch import HAS_TRITON
 from .dora_launch import cdiv as _cdiv
@@ -498,48 +497,6 @@ class FusedDoRAComposeFunction(torch.autograd.Function):
         return d_lora, d_base, d_mag, None
 
 
-def _output_saves_itself(magnitude: torch.Tensor, known: Optional[Memo]) -> bool:
-    """Whether the one-pass output's backward can take ``inner`` from the output itself: ``y - bias = g·inner``
-    recovers it wherever g ≠ 0, i.e. wherever m ≠ 0.
-
-    Saving y instead of a separate ``inner`` buffer costs nothing where the next op saves y anyway (the MLP's gate
-    and up projections feed SiLU and a product, attention's value projection feeds SDPA) and the same memory
-    elsewhere. A magnitude with an exact zero keeps the ``inner`` buffer. The zero test reads a GPU value on the
-    host: a DoRA layer passes its ``known`` memo (``dora_cache.LayerReuse.zero_free``), so the test runs once per value
-    of m (an optimizer step changes m once, then every micro-step and checkpoint recompute reuses the answer), and
-    where :func:`prefetch_zero_test` started it earlier (the no-grad first pass of a reentrant checkpoint) the answer
-    has long arrived and nothing waits; otherwise the host waits for it, once. Without a memo it runs every call.
-    During CUDA-graph capture, where a sync is not allowed, the buffer is kept.
-    """
-    if magnitude.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    hit = None if known is None else known.get((magnitude,))
-    if isinstance(hit, bool):
-        return hit
-    if hit is not None:  # (event, pinned host flag "has a zero") from prefetch_zero_test
-        event, has_zero = hit
-        event.synchronize()  # a no-op where the copy is done
-        no_zero = not bool(has_zero)
-    else:
-        no_zero = bool(torch.count_nonzero(magnitude) == magnitude.numel())
-    if known is not None:
-        known.put((magnitude,), no_zero)
-    return no_zero
-
-
-def prefetch_zero_test(magnitude: torch.Tensor, known: Memo) -> None:
-    """Start :func:`_output_saves_itself`'s zero test for this value of m without waiting: the flag is copied to
-    pinned host memory behind an event, which the training node reads later (a checkpoint's recompute runs in the
-    backward, long after). Nothing to do where the answer or a started test is kept for this value of m."""
-    if known.get((magnitude,)) is not None or torch.cuda.is_current_stream_capturing():
-        return
-    has_zero = torch.empty((), dtype=torch.bool, pin_memory=True)
-    has_zero.copy_((magnitude == 0).any(), non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    known.put((magnitude,), (event, has_zero))
-
-
 def _check_version(t: torch.Tensor, version: int, what: str) -> None:
     """Autograd's check for a saved input, for the inputs a node keeps as attributes."""
     if t._version != version:
@@ -571,7 +528,7 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
     def forward(ctx, result, lora, magnitude, weight_norm, bias, scale, eps, strides, known=None):
         """``strides``: ``dora_dispatch.output_layout`` of these tensors, which the caller has checked is not None."""
         needs_mag = ctx.needs_input_grad[2]
-        from_output = needs_mag and _output_saves_itself(magnitude, known)
+        from_output = needs_mag and output_saves_itself(magnitude, known)
         out = _output_buffer(result, lora)
         inner = None
         if needs_mag and not from_output:
@@ -634,7 +591,7 @@ class FusedDoRALinearFunction(torch.autograd.Function):
         None."""
         lora = F.linear(a, weight_b.to(a.dtype))
         needs_mag = ctx.needs_input_grad[3]
-        from_output = needs_mag and _output_saves_itself(magnitude, known)
+        from_output = needs_mag and output_saves_itself(magnitude, known)
         out = _output_buffer(result, lora)
         inner = torch.empty_like(out, memory_format=_CONTIGUOUS) if needs_mag and not from_output else None
         if lora.numel() > 0:

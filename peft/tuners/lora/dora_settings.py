@@ -25,6 +25,7 @@ from typing import Optional
 
 
 MB = 1 << 20
+DROPOUT_MODES = ("exact", "branch")  # PEFT_DORA_DROPOUT; the first is the default
 _NORM_CHUNK_MB_RANGE = (16, 65536)
 
 
@@ -38,6 +39,17 @@ def _parse_tristate(name: str) -> Optional[bool]:
     if value in ("0", "false"):
         return False
     raise ValueError(f"{name}={raw!r} is not valid: use 1/true (force on), 0/false (off), or leave it unset (auto)")
+
+
+def _parse_choice(name: str, choices: tuple) -> str:
+    """The variable's value among ``choices`` (case-insensitive); unset or empty is the first choice."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return choices[0]
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name}={raw!r} is not valid: use one of {', '.join(choices)} (unset: {choices[0]})")
+    return value
 
 
 def _parse_mb(name: str, default: int, low: int, high: int) -> int:
@@ -62,6 +74,7 @@ class _DoraEnv:
     norm_graph: Optional[bool]  # PEFT_DORA_NORM_GRAPH: None/True = training norms replayed as CUDA graphs, False = not
     norm_chunk_mb: int  # PEFT_DORA_NORM_CHUNK_MB
     fwd_chunk_mb: int  # PEFT_DORA_FWD_CHUNK_MB
+    dropout: str  # PEFT_DORA_DROPOUT: "exact" (upstream's semantics) or "branch" (on the LoRA branch only)
     # not environment variables: tests switch these off (``override``) to compare with the paths they replace
     one_node_branch: bool = True  # lora_B inside the training output's node; off: separate LoRA-branch nodes
     decode_kernels: bool = True  # the decode launches; off: the small forward's matmuls and PyTorch ops
@@ -76,6 +89,7 @@ class _DoraEnv:
             norm_graph=_parse_tristate("PEFT_DORA_NORM_GRAPH"),
             norm_chunk_mb=_parse_mb("PEFT_DORA_NORM_CHUNK_MB", 256, *_NORM_CHUNK_MB_RANGE),
             fwd_chunk_mb=_parse_mb("PEFT_DORA_FWD_CHUNK_MB", 256, 1, 1 << 20),
+            dropout=_parse_choice("PEFT_DORA_DROPOUT", DROPOUT_MODES),
         )
 
 

@@ -337,6 +337,26 @@ def test_output_with_a_zero_magnitude_keeps_inner():
     assert_close(m.grad, want[3].float(), scale=23**0.5)
 
 
+@pytest.mark.parametrize("value", (float("inf"), 1e-39), ids=("inf", "tiny"))
+def test_output_with_a_magnitude_that_cannot_be_divided_by_keeps_inner(value):
+    """An infinite m_j (g_j = inf) or one whose reciprocal overflows cannot be divided back out of y_j either: the
+    zero test counts them with the zeros, so the node keeps inner and d_m is the fp64 one (read back from y it was
+    NaN for an infinite m_j)."""
+    result, lora, b, magnitude, norm = _output_inputs(23, 130, torch.float32, seed=11, bias=True)
+    d_y = torch.randn(23, 130)
+    m = magnitude.clone()
+    m[5] = value
+    m.requires_grad_()
+    y, saved = _saved_activation_ptrs(
+        lambda: F.fused_dora_output(result, lora.clone(), m, norm, SCALE, EPS, bias=b), (23, 130)
+    )
+    assert len(saved) == 1 and saved[0] != y.data_ptr()
+    y.backward(d_y)
+    want = _output_fp64(result, lora, b, m.detach(), norm, d_y)[3].float()
+    assert torch.isfinite(m.grad).all()
+    assert_close(m.grad, want, scale=23**0.5)
+
+
 @pytest.mark.parametrize("path", ("small_forward", "decode"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_small_eval_forward_reuses_its_factors(dora_switches, dora_env, monkeypatch, dtype, path):

@@ -379,3 +379,67 @@ def test_dropout_path_under_autocast_makes_no_weight_sized_copy():
     with torch.autocast("cpu", dtype=torch.bfloat16), WeightCopies() as mode:
         peft_model(x).float().sum().backward()
     assert mode.copies == []
+
+
+@pytest.mark.parametrize("bias", (False, True))
+def test_branch_dropout_drops_the_lora_branch_input_only(dora_switches, bias):
+    """PEFT_DORA_DROPOUT=branch: in training y = g·(W·x + s·B·A·drop(x)) + (1 − g)·bias, the dropout mask drawn once
+    (fp64 reference with the same mask); no second base matmul, so the layer takes the no-dropout tiers. Eval mode is
+    the same in both settings, and the default is upstream's semantics (the base output of the dropped-out input)."""
+    torch.manual_seed(0)
+    model = get_peft_model(
+        nn.Sequential(nn.Linear(24, 40, bias=bias)),
+        LoraConfig(target_modules=["0"], use_dora=True, lora_dropout=0.3, r=4, init_lora_weights=False),
+    )
+    layer = model.base_model.model[0]
+    with torch.no_grad():
+        layer.lora_magnitude_vector["default"].weight.mul_(1 + 0.2 * torch.randn(40))
+    x = torch.randn(6, 24)
+
+    def reference(seed: int, exact: bool) -> torch.Tensor:
+        torch.manual_seed(seed)
+        xd = layer.lora_dropout["default"](x).double()
+        w, b = layer.base_layer.weight.double(), layer.base_layer.bias
+        a, bb = layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double()
+        s = layer.scaling["default"]
+        norm = torch.linalg.vector_norm(w + s * bb @ a, dim=1)
+        g = layer.lora_magnitude_vector["default"].weight.double() / norm
+        base = x.double() @ w.T
+        if exact:  # upstream: the DoRA delta sees the dropped-out input
+            y = base + (g - 1) * (xd @ w.T) + g * s * (xd @ a.T @ bb.T)
+        else:
+            y = g * (base + s * (xd @ a.T @ bb.T))
+        return y if b is None else y + b.double()
+
+    model.train()
+    torch.manual_seed(3)
+    exact = model(x)
+    assert_close(exact.double(), reference(3, exact=True), dtype=torch.float32)
+    dora_switches(dropout="branch")
+    dora.tier_counts.clear()
+    torch.manual_seed(3)
+    branch = model(x)
+    assert_close(branch.double(), reference(3, exact=False), dtype=torch.float32)
+    assert (branch - exact).abs().max() > 1e-3  # the two semantics differ in training
+    assert set(dora.tier_counts) == {dora.TIER_EAGER}  # the no-dropout Linear path (CPU: its eager tier)
+    branch.sum().backward()
+    assert layer.lora_magnitude_vector["default"].weight.grad is not None
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(x)
+    dora_switches(dropout="exact")
+    with torch.no_grad():
+        assert torch.equal(model(x), evaluated)
+
+
+def test_dropout_setting_rejects_unknown_values(monkeypatch):
+    from peft.tuners.lora import dora_settings
+
+    monkeypatch.setenv("PEFT_DORA_DROPOUT", "lora")
+    dora_settings._invalidate_fused_cache()
+    try:
+        with pytest.raises(ValueError, match="PEFT_DORA_DROPOUT='lora' is not valid: use one of exact, branch"):
+            dora_settings.current()
+    finally:
+        monkeypatch.delenv("PEFT_DORA_DROPOUT")
+        dora_settings._invalidate_fused_cache()

@@ -133,28 +133,38 @@ class PlainNet(nn.Module):
         return self.down(self.norm(self.up(x)))
 
 
+@pytest.mark.parametrize("checkpoint", ("reentrant", "non_reentrant", "none"))
 @pytest.mark.parametrize("kind", ("plain", "nf4"))
-def test_reentrant_checkpoint_training_step_does_not_wait_for_the_gpu(kind):
-    """The magnitude's zero test is started in the checkpoint's no-grad first pass and read in the recompute: no
-    synchronizing op in forward and backward (it used to be one host sync per DoRA module and optimizer step)."""
+def test_training_step_does_not_wait_for_the_gpu(kind, checkpoint):
+    """The magnitude's zero test (may the node read inner back from its output?) is started ahead: in a reentrant
+    checkpoint's no-grad first pass, and after every optimizer step for all magnitudes (non-reentrant checkpoint, no
+    checkpoint). No synchronizing op in forward and backward after the first step (it used to be one host sync per
+    DoRA module and optimizer step), and no zero in m means no separate inner buffer."""
     if kind == "plain":
         config = LoraConfig(r=16, target_modules=["up", "down"], use_dora=True, init_lora_weights=False)
         model = get_peft_model(PlainNet(), config)
     else:
         model = adapted(kind)
     model.train()
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     x = torch.randn(4, 256, 512, device="cuda", requires_grad=True)
+    memos = [m._reuse.zero_free for m in model.modules() if isinstance(m, dora.DoraLinearLayer)]
     for step in range(3):
         dora.tier_counts.clear()
         torch.cuda.set_sync_debug_mode("error" if step else "default")  # step 0 compiles kernels, sets up caches
         try:
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=True)
+                if checkpoint == "none":
+                    out = model(x)
+                else:
+                    out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=checkpoint == "reentrant")
             out.float().square().mean().backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert dora.tier_counts[dora.TIER_FUSED_BACKWARD] == 2, dict(dora.tier_counts)
+        # the training node runs in every grad-enabled forward: the recompute, and the first pass unless reentrant
+        calls = {"reentrant": 1, "non_reentrant": 2, "none": 1}[checkpoint]
+        assert dora.tier_counts[dora.TIER_FUSED_BACKWARD] == 2 * calls, dict(dora.tier_counts)
+        assert [memo.value for memo in memos] == [True, True]
         opt.step()
         opt.zero_grad()
 
