@@ -1,0 +1,95 @@
+"""Worker for ``test_dora_fsdp2_cpu.py``: DoRA training under FSDP2 (``fully_shard``) on CPU with the gloo backend,
+started by ``torchrun``. With one process it trains the same model unsharded: the reference.
+
+    torchrun --standalone --nproc_per_node 2 fsdp2_cpu_worker.py OUT [--reshard 0|1] [--checkpointing 0|1] \
+        [--optim adamw|sgd] [--dora 0|1]
+
+Every rank trains a tiny Llama with DoRA on all linear layers (fp32, AdamW or SGD, 20 steps) on its share of a fixed
+global batch (rank r takes rows r, r + N, ...; every token has a label, so the mean of the ranks' losses is the global
+batch's loss, and FSDP2 averages the gradients). Rank 0 saves the losses and the full adapter state
+(``get_peft_model_state_dict`` of the gathered parameters) to OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+
+STEPS, GLOBAL_BATCH, SEQ, VOCAB = 20, 4, 16, 128
+
+
+def build(dora: bool = True):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        vocab_size=VOCAB, max_position_embeddings=64,
+    )  # fmt: skip
+    base = LlamaForCausalLM(config)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=dora, init_lora_weights=False)
+    return get_peft_model(base, lora)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--reshard", type=int, default=1)
+    p.add_argument("--checkpointing", type=int, default=0)
+    p.add_argument("--optim", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--dora", type=int, default=1, help="0: plain LoRA, the same engine's baseline")
+    args = p.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    model = build(bool(args.dora))
+    if args.checkpointing:
+        model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.base_model.model.enable_input_require_grads()
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=bool(args.reshard))
+        fully_shard(model, mesh=mesh, reshard_after_forward=bool(args.reshard))
+    model.train()
+    params = [q for q in model.parameters() if q.requires_grad]
+    # AdamW as users run it; SGD, whose update is linear in the gradient, for a tight parameter comparison (Adam's
+    # normalisation turns reduction-order noise in near-zero gradients into ~1e-3 parameter differences)
+    opt = torch.optim.AdamW(params, lr=1e-3) if args.optim == "adamw" else torch.optim.SGD(params, lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)[rank::world]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+    from peft import get_peft_model_state_dict
+
+    full = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+            for name, t in model.state_dict().items()}  # fmt: skip
+    adapter = get_peft_model_state_dict(model, state_dict=full)
+    if rank == 0:
+        torch.save({"losses": losses, "adapter": adapter, "world": world}, args.out)
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
