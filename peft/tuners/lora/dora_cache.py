@@ -306,9 +306,16 @@ def output_saves_itself(magnitude: torch.Tensor, known: Optional[Memo]) -> bool:
         no_zero = bool(_has_zero(magnitude).logical_not_())
     if known is not None:
         known.put((magnitude,), no_zero)
-        if magnitude.is_cuda and type(magnitude) is nn.Parameter:
+        if magnitude.is_cuda and type(magnitude) is nn.Parameter and not hasattr(magnitude, "ds_id"):
             _zero_watch[magnitude] = known
     return no_zero
+
+
+def storage_holds(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage still holds all of its elements. FSDP (1 and 2) frees a gathered parameter by
+    resizing its storage to nothing while the tensor object lives on; a kept reference must not read it then."""
+    needed = (t.storage_offset() + t.numel()) * t.element_size() if t.numel() else 0
+    return t.untyped_storage().nbytes() >= needed
 
 
 def _has_zero(*magnitudes: torch.Tensor) -> torch.Tensor:
@@ -343,7 +350,11 @@ def prefetch_zero_tests() -> None:
     module and step, under non-reentrant checkpointing or none."""
     by_device: dict = {}
     for magnitude, known in list(_zero_watch.items()):
-        if magnitude.requires_grad and magnitude.is_cuda:
+        if not storage_holds(magnitude):
+            # FSDP's gathered parameter between its layer's passes: the storage is freed (resized to nothing) and
+            # reading it is an illegal memory access; the next gather writes new values anyway (a new version)
+            del _zero_watch[magnitude]
+        elif magnitude.requires_grad and magnitude.is_cuda:
             by_device.setdefault(magnitude.device, []).append((magnitude, known))
     for device, watched in by_device.items():
         with torch.cuda.device(device):

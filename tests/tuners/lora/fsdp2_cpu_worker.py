@@ -1,5 +1,6 @@
 """Worker for ``test_dora_fsdp2_cpu.py``: DoRA training under FSDP2 (``fully_shard``) on CPU with the gloo backend,
-started by ``torchrun``. With one process it trains the same model unsharded: the reference.
+started by ``torchrun``; ``--device cuda`` runs it on GPUs with NCCL (``test_dora_fsdp2_gpu.py``). With one process it
+trains the same model unsharded (the reference), unless ``--fsdp 1``.
 
     torchrun --standalone --nproc_per_node 2 fsdp2_cpu_worker.py OUT [--reshard 0|1] [--checkpointing 0|1] \
         [--optim adamw|sgd] [--dora 0|1]
@@ -44,20 +45,27 @@ def main() -> int:
     p.add_argument("--checkpointing", type=int, default=0)
     p.add_argument("--optim", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--dora", type=int, default=1, help="0: plain LoRA, the same engine's baseline")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per process")
+    p.add_argument("--fsdp", type=int, default=-1, help="1: fully_shard even in one process (-1: with > 1)")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if world > 1:
-        dist.init_process_group("gloo")
+    fsdp = world > 1 if args.fsdp < 0 else bool(args.fsdp)
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if fsdp:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     model = build(bool(args.dora))
+    if args.device == "cuda":
+        model = model.cuda()
     if args.checkpointing:
         model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.base_model.model.enable_input_require_grads()
-    if world > 1:
+    if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(args.device, (world,))
         for layer in model.base_model.model.model.layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=bool(args.reshard))
         fully_shard(model, mesh=mesh, reshard_after_forward=bool(args.reshard))
@@ -69,7 +77,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(STEPS):
-        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)[rank::world]
+        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)[rank::world].to(args.device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -78,15 +86,16 @@ def main() -> int:
         if world > 1:
             dist.all_reduce(loss)
             loss /= world
+        loss = loss.cpu()
         losses.append(loss.item())
     from peft import get_peft_model_state_dict
 
-    full = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+    full = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
             for name, t in model.state_dict().items()}  # fmt: skip
     adapter = get_peft_model_state_dict(model, state_dict=full)
     if rank == 0:
-        torch.save({"losses": losses, "adapter": adapter, "world": world}, args.out)
-    if world > 1:
+        torch.save({"losses": losses, "adapter": adapter, "world": world, "fsdp": fsdp}, args.out)
+    if fsdp:
         dist.destroy_process_group()
     return 0
 

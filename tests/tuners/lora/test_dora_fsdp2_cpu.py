@@ -22,7 +22,7 @@ WORKER = HERE / "fsdp2_cpu_worker.py"
 
 
 def _train(tmp_path: Path, procs: int, *flags: str) -> dict:
-    out = tmp_path / f"run_{procs}.pt"
+    out = tmp_path / f"run_{procs}_{abs(hash(flags))}.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", str(WORKER),
            str(out), *flags]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -78,3 +78,23 @@ def _adapter_of(model) -> dict:
     from peft import get_peft_model_state_dict
 
     return get_peft_model_state_dict(model)
+
+
+def test_zero_test_prefetch_never_reads_a_freed_parameter():
+    """FSDP frees a gathered parameter by resizing its storage to nothing; the optimizer-step hook must drop such a
+    magnitude from its watch instead of reading it (on a GPU that read was an illegal memory access)."""
+    from torch import nn
+
+    from peft.tuners.lora import dora_cache
+
+    freed, live = nn.Parameter(torch.ones(6)), nn.Parameter(torch.ones(6))
+    freed.untyped_storage().resize_(0)
+    assert not dora_cache.storage_holds(freed) and dora_cache.storage_holds(live)
+    memos = (dora_cache.Memo(), dora_cache.Memo())
+    dora_cache._zero_watch[freed], dora_cache._zero_watch[live] = memos
+    try:
+        dora_cache.prefetch_zero_tests()
+        assert freed not in dora_cache._zero_watch and live in dora_cache._zero_watch
+    finally:
+        dora_cache._zero_watch.pop(freed, None)
+        dora_cache._zero_watch.pop(live, None)

@@ -1,0 +1,31 @@
+"""DoRA under FSDP2 on GPUs (NCCL, ``torchrun``): the fused tiers, the norm graphs and the magnitude's zero test while
+FSDP2 gathers each layer's parameters and frees them again after its passes.
+
+A kept reference to a gathered parameter must never be read once FSDP2 has freed its storage: the optimizer-step
+hook that starts the magnitudes' zero tests once read a freed gathered magnitude (an illegal memory access at the
+first ``optimizer.step()`` under FSDP2). FSDP2 in one process (``--fsdp 1``) and, with two GPUs, in two, trains as
+the same model without FSDP2: the same losses and, with SGD, the same adapter.
+"""
+
+import pytest
+import torch
+from test_dora_fsdp2_cpu import _train
+
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize(("optim", "reshard"), (("adamw", "1"), ("sgd", "0")))
+def test_fsdp2_on_gpus_trains_as_without_fsdp(tmp_path, optim, reshard):
+    flags = ("--device", "cuda", "--optim", optim, "--reshard", reshard, "--checkpointing", "1")
+    plain = _train(tmp_path, 1, *flags, "--fsdp", "0")
+    runs = {1: _train(tmp_path, 1, *flags, "--fsdp", "1")}
+    if torch.cuda.device_count() >= 2:
+        runs[2] = _train(tmp_path, 2, *flags)
+    assert not plain["fsdp"]
+    for procs, run in runs.items():
+        assert run["fsdp"] and run["world"] == procs
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=1e-5)
+        if optim == "sgd":
+            for name, value in plain["adapter"].items():
+                torch.testing.assert_close(run["adapter"][name], value, rtol=1e-5, atol=1e-6, msg=name)
