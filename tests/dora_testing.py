@@ -90,6 +90,21 @@ def perturb_magnitudes(model: nn.Module, spread: float = 0.3) -> nn.Module:
     return model
 
 
+def assert_initial_magnitude_is_upstreams(base_layer: nn.Module, d_in: int, d_out: int) -> None:
+    """The magnitude is the checkpoint's content: ``update_layer`` on ``base_layer`` with seeded A [8, d_in] and
+    B [d_out, 8] gives ours the same values and dtype as upstream's initialisation."""
+    from peft.tuners.lora import dora
+
+    up_dora, _ = upstream_modules()
+    torch.manual_seed(0)
+    lora_A, lora_B = torch.randn(8, d_in) * 0.1, torch.randn(d_out, 8) * 0.1
+    ours, theirs = dora.DoraLinearLayer(False), up_dora.DoraLinearLayer(False)
+    ours.update_layer(base_layer=base_layer, lora_A=lora_A, lora_B=lora_B, scaling=2.0)
+    theirs.update_layer(base_layer=base_layer, lora_A=lora_A, lora_B=lora_B, scaling=2.0)
+    assert ours.weight.dtype == theirs.weight.dtype
+    assert_close(ours.weight, theirs.weight)
+
+
 def bnb_linear(kind: str, d_in: int, d_out: int, bias: bool = False, seed: int = 0, device: str = "cpu") -> nn.Module:
     """A bitsandbytes Linear of ``kind`` (``nf4`` with double quantization, ``fp4``, ``int8``), quantized on
     ``device`` from a seeded bf16 Linear; the bias (if any) stays fp32."""

@@ -21,7 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 import torchao.quantization as ao
-from dora_testing import assert_close, perturb_magnitudes, to_upstream, upstream_modules
+from dora_testing import (
+    assert_close,
+    assert_initial_magnitude_is_upstreams,
+    perturb_magnitudes,
+    to_upstream,
+)
 from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
 from torch import nn
 
@@ -189,15 +194,7 @@ def test_replaced_base_weight_is_never_served_a_kept_norm(case):
 @pytest.mark.parametrize("case", CASES)
 def test_initial_magnitude_is_upstreams(case):
     """The magnitude is the checkpoint's content: the same values and dtype as upstream's initialisation."""
-    up_dora, _ = upstream_modules()
-    base = quantized_mlp(case).lin0
-    torch.manual_seed(0)
-    lora_A, lora_B = torch.randn(8, 64) * 0.1, torch.randn(96, 8) * 0.1
-    ours, theirs = dora.DoraLinearLayer(False), up_dora.DoraLinearLayer(False)
-    ours.update_layer(base_layer=base, lora_A=lora_A, lora_B=lora_B, scaling=2.0)
-    theirs.update_layer(base_layer=base, lora_A=lora_A, lora_B=lora_B, scaling=2.0)
-    assert ours.weight.dtype == theirs.weight.dtype
-    assert_close(ours.weight, theirs.weight)
+    assert_initial_magnitude_is_upstreams(quantized_mlp(case).lin0, 64, 96)
 
 
 @pytest.mark.parametrize("case", ("hqq4_fp32", "hqq4_bf16"))

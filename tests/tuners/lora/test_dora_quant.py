@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from dora_testing import TOL, BnbNet, assert_close, bnb_linear, perturb_magnitudes, to_upstream
+from dora_testing import (
+    TOL,
+    BnbNet,
+    assert_close,
+    assert_initial_magnitude_is_upstreams,
+    bnb_linear,
+    perturb_magnitudes,
+    to_upstream,
+)
 from torch import nn
 
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -170,15 +178,7 @@ def test_eval_decode_steps_match_upstream(kind, autocast):
 @pytest.mark.parametrize("kind", KINDS)
 def test_initial_magnitude_is_upstreams(kind):
     """The magnitude is the checkpoint's content: the same values and dtype as upstream's initialisation."""
-    up_dora, _ = __import__("dora_testing").upstream_modules()
-    layer = bnb_linear(kind, 64, 48)
-    torch.manual_seed(0)
-    lora_A, lora_B = torch.randn(8, 64) * 0.1, torch.randn(48, 8) * 0.1
-    ours, theirs = dora.DoraLinearLayer(False), up_dora.DoraLinearLayer(False)
-    ours.update_layer(base_layer=layer, lora_A=lora_A, lora_B=lora_B, scaling=2.0)
-    theirs.update_layer(base_layer=layer, lora_A=lora_A, lora_B=lora_B, scaling=2.0)
-    assert ours.weight.dtype == theirs.weight.dtype
-    assert_close(ours.weight, theirs.weight)
+    assert_initial_magnitude_is_upstreams(bnb_linear(kind, 64, 48), 64, 48)
 
 
 # ---------------------------------------------------------------------------------------------------------------
