@@ -53,7 +53,7 @@ def main() -> int:
     fsdp = world > 1 if args.fsdp < 0 else bool(args.fsdp)
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if fsdp:
+    if fsdp or world > 1:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     model = build(bool(args.dora))
     if args.device == "cuda":
@@ -95,7 +95,7 @@ def main() -> int:
     adapter = get_peft_model_state_dict(model, state_dict=full)
     if rank == 0:
         torch.save({"losses": losses, "adapter": adapter, "world": world, "fsdp": fsdp}, args.out)
-    if fsdp:
+    if dist.is_initialized():
         dist.destroy_process_group()
     return 0
 
