@@ -18,6 +18,7 @@ OVERLAY_FILES = (
     "tuners/lora/dora_cache.py",
     "tuners/lora/dora_decode.py",
     "tuners/lora/dora_dispatch.py",
+    "tuners/lora/dora_dist.py",
     "tuners/lora/dora_fused.py",
     "tuners/lora/dora_graph.py",
     "tuners/lora/dora_launch.py",

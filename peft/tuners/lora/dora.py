@@ -36,8 +36,8 @@ from torch.nn.modules import module as _nn_module
 from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 from peft.utils.other import transpose
 
-from . import dora_decode, dora_fused, dora_norm, dora_quant, dora_settings
-from .dora_cache import LayerReuse, capturing, memoised, prefetch_zero_test, reused, source, watch_merges
+from . import dora_decode, dora_dist, dora_fused, dora_norm, dora_quant, dora_settings
+from .dora_cache import KeyedMemo, LayerReuse, capturing, memoised, prefetch_zero_test, reused, source, watch_merges
 from .dora_cache import invalidate_norm_caches as invalidate_norm_caches  # public here, as documented
 from .dora_cache import norm_counts as norm_counts  # public here, as documented
 from .dora_dispatch import (
@@ -239,10 +239,15 @@ class DoraLinearLayer(nn.Module):
             lora = None
             gates = LinearGates(result, magnitude, (x, weight_a, weight_b), True, self.training)
 
-        if self.training and not gates.grad and gates.fused and magnitude.requires_grad and magnitude.is_cuda:
-            # the no-grad first pass of a reentrant checkpoint: start the magnitude's zero test now, so that the
-            # training node of the recompute (in the backward) finds the answer instead of waiting for the GPU
-            prefetch_zero_test(magnitude, self._reuse.zero_free)
+        zero_free = self._reuse.zero_free
+        if self.training and gates.fused:
+            shards = dora_dist.stand_ins((magnitude,))
+            if shards is not None:  # FSDP2: the answer is kept for the magnitude's shard, not its gathered copy
+                zero_free = KeyedMemo(zero_free, *shards)
+            if not gates.grad and magnitude.requires_grad and magnitude.is_cuda:
+                # the no-grad first pass of a reentrant checkpoint: start the magnitude's zero test now, so that the
+                # training node of the recompute (in the backward) finds the answer instead of waiting for the GPU
+                prefetch_zero_test(magnitude, zero_free)
         factors = None
         if gates.reuses_factors:
             factors = self._factors(weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name)
@@ -262,7 +267,7 @@ class DoraLinearLayer(nn.Module):
                     eps = eps_for(weight.dtype)
                     return dora_fused.FusedDoRALinearFunction.apply(
                         result, a, weight_b, magnitude, weight_norm, bias, float(scaling), eps, stride,
-                        self._reuse.zero_free,
+                        zero_free,
                     )  # fmt: skip
             lora = F.linear(a, weight_b)
 
@@ -284,7 +289,7 @@ class DoraLinearLayer(nn.Module):
             record(self, tier)
             eps = eps_for(weight.dtype)
             return dora_fused.run_fused_output(
-                result, lora, magnitude, weight_norm, scaling, eps, bias, strides, self._reuse.zero_free
+                result, lora, magnitude, weight_norm, scaling, eps, bias, strides, zero_free
             )
         g = self._scale(weight_norm, weight.dtype)
         base_result = result if bias is None else result - bias
@@ -329,6 +334,10 @@ class DoraLinearLayer(nn.Module):
             operands = self._norm_operands(weight, lora_A, lora_B)
             if operands is not None:
                 return compiled_weight_norm(self, *operands, scaling)
+        if type(self) is DoraLinearLayer and not (self.fan_in_fan_out or ENABLE_DORA_CACHING):
+            shards = dora_dist.norm_shards(weight, lora_A, lora_B)
+            if shards is not None:
+                return self._sharded_norm(weight, lora_A, lora_B, scaling, adapter_name, shards)
         sources = (*_weight_sources(weight), source(lora_A), source(lora_B))
         return memoised(
             self._reuse.norm,
@@ -338,6 +347,30 @@ class DoraLinearLayer(nn.Module):
             lambda: self._fresh_norm(weight, lora_A, lora_B, scaling, adapter_name),
             extra=float(scaling),
         )
+
+    def _sharded_norm(self, weight, lora_A, lora_B, scaling, adapter_name, shards) -> torch.Tensor:
+        """Under FSDP2 (``dora_dist``): the norm kept on the rank's shards of W, A and B, which stand for the gathered
+        values (the checkpoint recompute and eval forwards reuse it); where W and B are row-sharded together, this
+        rank computes its own rows (``‖W_p‖²`` kept on its shard of a frozen W) and one all-gather assembles them."""
+        reuse = self._reuse
+
+        def compute() -> torch.Tensor:
+            if shards.group is None:
+                return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name)
+            w_rows, b_rows = weight[shards.start : shards.stop], lora_B[shards.start : shards.stop]
+            if shards.stop == shards.start:
+                part = torch.empty(0, device=weight.device, dtype=torch.promote_types(weight.dtype, torch.float32))
+            else:
+                w_sq = None
+                if not weight.requires_grad and dora_norm.w_sq_reusable(w_rows, lora_A, b_rows):
+                    w_sq = memoised(reuse.w_sq, "any", "w_sq", shards.keys[:1], lambda: row_sq_norm(w_rows),
+                                    extra=(weight.dtype, shards.versions()[0]))  # fmt: skip
+                part = factored_row_norm(w_rows, lora_A, b_rows, scaling, w_sq=w_sq)
+            return dora_dist.gather_rows(part, shards, weight.shape[0])
+
+        # the gathered dtypes too (FSDP2's mixed precision gathers shards in another dtype)
+        extra = (float(scaling), weight.dtype, lora_A.dtype, lora_B.dtype, shards.versions())
+        return memoised(reuse.norm, reuse_mode(self, (weight, lora_A, lora_B)), "norm", shards.keys, compute, extra)
 
     def _norm_operands(self, weight, lora_A, lora_B) -> Optional[tuple]:
         """(W, A, B) as ``factored_row_norm`` takes them, or None where the norm is not a single factored row norm."""
@@ -376,13 +409,17 @@ class DoraLinearLayer(nn.Module):
         magnitude = self.weight
         if records_grad(magnitude):
             return magnitude_scale(magnitude, weight_norm, weight_dtype)
+        sources, extra = (magnitude, weight_norm), weight_dtype
+        shards = dora_dist.stand_ins(sources)
+        if shards is not None:  # FSDP2: kept on m's shard (its gathered copy does not show edits)
+            sources, extra = shards[0], (weight_dtype, shards[1])
         return memoised(
             self._reuse.scale,
             reuse_mode(self),
             "scale",
-            (magnitude, weight_norm),
+            sources,
             lambda: magnitude_scale(magnitude, weight_norm, weight_dtype),
-            extra=weight_dtype,
+            extra=extra,
         )
 
     def _factors(self, weight, lora_A, lora_B, magnitude, bias, scaling, adapter_name) -> Optional[tuple]:
@@ -401,12 +438,15 @@ class DoraLinearLayer(nn.Module):
             g = magnitude_scale(magnitude, weight_norm, weight.dtype).float()
             return torch.stack((g,) if bias is None else (g, (1 - g) * bias.float()))
 
-        scaling = float(scaling)
+        scaling = extra = float(scaling)
+        shards = dora_dist.stand_ins(sources)
+        if shards is not None:  # FSDP2: kept on the shards (gathered copies do not show edits)
+            sources, extra = shards[0], (scaling, shards[1])
         reuse = self._reuse
         # the common case first, without `memoised`'s checks of compile and capture (the gates and the caller's)
-        f = reused(reuse.factors, "scale", sources, scaling)
+        f = reused(reuse.factors, "scale", sources, extra)
         if f is None:
-            f = memoised(reuse.factors, "any", "scale", sources, factors, extra=scaling)
+            f = memoised(reuse.factors, "any", "scale", sources, factors, extra=extra)
         rows = reuse.rows
         if not rows or rows[0] is not f:  # the rows as views, made once per value of the factors
             rows = reuse.rows = (f, *f.unbind(0))

@@ -135,6 +135,23 @@ class Memo:
         return value
 
 
+class KeyedMemo:
+    """A :class:`Memo` asked about some tensors but keyed on others that stand for their values (an FSDP2-gathered
+    magnitude's local shard and versions, ``dora_dist.stand_ins``): ``get``/``put`` ignore the tensors they are
+    given."""
+
+    __slots__ = ("memo", "keys", "extra")
+
+    def __init__(self, memo: Memo, keys: tuple, extra) -> None:
+        self.memo, self.keys, self.extra = memo, keys, extra
+
+    def get(self, tensors, extra=()) -> Optional[torch.Tensor]:
+        return self.memo.get(self.keys, self.extra)
+
+    def put(self, tensors, value, extra=()):
+        return self.memo.put(self.keys, value, self.extra)
+
+
 class StorageMemo(Memo):
     """A :class:`Memo` that identifies its tensors by their storage instead of the tensor objects: the same live
     storage (held by a weak reference, so no other storage can take its place while the memo holds it), data
@@ -306,8 +323,11 @@ def output_saves_itself(magnitude: torch.Tensor, known: Optional[Memo]) -> bool:
         no_zero = bool(_has_zero(magnitude).logical_not_())
     if known is not None:
         known.put((magnitude,), no_zero)
-        if magnitude.is_cuda and type(magnitude) is nn.Parameter and not hasattr(magnitude, "ds_id"):
-            _zero_watch[magnitude] = known
+        if type(known) is Memo and magnitude.is_cuda and type(magnitude) is nn.Parameter:
+            # not DeepSpeed's partitioned parameters (ds_id), nor FSDP2's gathered ones (a KeyedMemo): the step
+            # hook would read a gathered copy whose shard the step has just changed
+            if not hasattr(magnitude, "ds_id"):
+                _zero_watch[magnitude] = known
     return no_zero
 
 

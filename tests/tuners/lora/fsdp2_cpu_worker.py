@@ -30,7 +30,7 @@ def build(dora: bool = True):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        hidden_size=64, intermediate_size=99, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
         vocab_size=VOCAB, max_position_embeddings=64,
     )  # fmt: skip
     base = LlamaForCausalLM(config)
@@ -74,9 +74,12 @@ def main() -> int:
     # AdamW as users run it; SGD, whose update is linear in the gradient, for a tight parameter comparison (Adam's
     # normalisation turns reduction-order noise in near-zero gradients into ~1e-3 parameter differences)
     opt = torch.optim.AdamW(params, lr=1e-3) if args.optim == "adamw" else torch.optim.SGD(params, lr=0.05)
+    from peft.tuners.lora import dora
+
     gen = torch.Generator().manual_seed(1)
-    losses = []
+    losses, counts = [], []
     for _ in range(STEPS):
+        dora.norm_counts.clear()
         ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)[rank::world].to(args.device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -88,16 +91,67 @@ def main() -> int:
             loss /= world
         loss = loss.cpu()
         losses.append(loss.item())
+        counts.append(dict(dora.norm_counts))
     from peft import get_peft_model_state_dict
 
     full = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
             for name, t in model.state_dict().items()}  # fmt: skip
     adapter = get_peft_model_state_dict(model, state_dict=full)
+    evaluated = evaluate(model, world)  # edits the adapter: after the trained one is saved
+    norm_check = check_norms(model) if fsdp else None
     if rank == 0:
-        torch.save({"losses": losses, "adapter": adapter, "world": world, "fsdp": fsdp}, args.out)
+        torch.save({"losses": losses, "adapter": adapter, "world": world, "fsdp": fsdp, "counts": counts,
+                    "eval": evaluated, "norm_check": norm_check}, args.out)  # fmt: skip
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+@torch.no_grad()
+def evaluate(model, world: int) -> dict:
+    """Eval forwards before and after in-place edits of every B, then of every magnitude (no optimizer step between,
+    so only version counters can tell a kept norm or scale that it is stale), and once more (reused)."""
+    from peft.tuners.lora import dora
+
+    model.eval()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    ids = ids.to(next(model.parameters()).device)
+    logits, counts = [model(input_ids=ids).logits.float().cpu()], []
+    for edited, factor in (("lora_B", 1.5), ("lora_magnitude_vector", 0.75), (None, 1.0)):
+        for name, param in model.named_parameters():
+            if edited is not None and edited in name:
+                param.mul_(factor)
+        dora.norm_counts.clear()
+        logits.append(model(input_ids=ids).logits.float().cpu())
+        counts.append(dict(dora.norm_counts))
+    return {"logits": logits, "counts": counts}
+
+
+@torch.no_grad()
+def check_norms(model) -> dict:
+    """Each DoRA Linear's norm under FSDP2 (this rank's rows, gathered) against the whole norm of the gathered
+    tensors, with the layer unsharded through FSDP2's public ``unshard``/``reshard``."""
+    from peft.tuners.lora import dora, dora_dist
+    from peft.tuners.lora.layer import Linear
+
+    worst, row_sharded, modules = 0.0, 0, 0
+    for layer in model.base_model.model.model.layers:
+        layer.unshard()
+        for module in layer.modules():
+            if not isinstance(module, Linear) or "default" not in module.lora_magnitude_vector:
+                continue
+            weight = module.get_base_layer().weight
+            lora_A, lora_B = module.lora_A["default"].weight, module.lora_B["default"].weight
+            scaling = module.scaling["default"]
+            shards = dora_dist.norm_shards(weight, lora_A, lora_B)
+            row_sharded += shards is not None and shards.group is not None
+            dora.invalidate_norm_caches()
+            sharded = module.lora_magnitude_vector["default"]._forward_norm(weight, lora_A, lora_B, scaling, "default")
+            whole = dora.factored_row_norm(weight, lora_A, lora_B, scaling)
+            worst = max(worst, ((sharded - whole).abs() / whole.abs()).max().item())
+            modules += 1
+        layer.reshard()
+    return {"max_rel_err": worst, "row_sharded": row_sharded, "modules": modules}
 
 
 if __name__ == "__main__":

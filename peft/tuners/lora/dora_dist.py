@@ -1,0 +1,171 @@
+# Copyright 2026-present the peft-dora-fast authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""DoRA under FSDP2 (``fully_shard``): the sharded factored norm and what stands for a gathered parameter's values.
+
+FSDP2 keeps each parameter as a row shard (a DTensor, ``Shard(0)``) and gathers the whole tensor into the same
+``nn.Parameter`` object for each forward and backward of its layer, freeing the storage in between. A gathered
+tensor's version counter moves with every gather, so a norm keyed on it is never reused; the rank's own shard is a
+persistent tensor that only an optimizer step (or an in-place edit) changes, and the gathered values are a function
+of the shards of all ranks, which step together. :func:`norm_shards` gives those shards as the keys of the norm's
+memos (the checkpoint recompute and eval forwards reuse the norm, a frozen ``W``'s ``‖W‖²`` is kept) and, where W
+and B are both row-sharded on the same group, the rank's rows: each rank computes ``‖W_p + s·B_p·A‖`` of its own
+rows (``‖W_p‖²`` kept, ``W_p·Aᵀ`` with the gathered ``A``, ``B_p·G``) – 1/N of the norm's work – and one all-gather
+of ``d_out`` floats assembles the norm (:func:`gather_rows`).
+
+FSDP2 publishes no map from a gathered parameter to its shard; the one private read (its per-module state and
+``FSDPParam`` objects) is :func:`_index`, and anything it does not find computes the norm as without FSDP2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+try:
+    from torch.distributed._composable_state import _module_state_mapping
+except ImportError:  # a PyTorch without it has no FSDP2 of this layout either
+    _module_state_mapping = {}
+
+
+@dataclass(frozen=True)
+class NormShards:
+    """What a DoRA Linear's norm under FSDP2 is keyed on and, with ``group`` set, which rows this rank computes."""
+
+    keys: tuple  # the rank's local shards of W, A and B: with ``versions()``, they stand for the gathered values
+    params: tuple  # the sharded parameters (DTensors) those are the local tensors of
+    gathered: tuple  # the gathered W, A and B (an edit of a gathered copy moves its own version only)
+    group: Optional[object] = None  # the process group W and B are row-sharded over; None: not row-sharded together
+    start: int = 0  # this rank's rows of the norm: [start, stop)
+    stop: int = 0
+    chunk: int = 0  # rows per rank, the last ranks' padded (FSDP2 shards like torch.chunk, with empty shards)
+
+    def versions(self) -> tuple:
+        """The version counters of the sharded parameters and of the gathered copies. An in-place op on a DTensor
+        (``p.mul_()`` under ``no_grad``) reaches its local tensor below the dispatch key that counts versions: only
+        the DTensor's own counter moves (writes to the local tensor itself, as FSDP2's state-dict loading does, move
+        the local one, part of the memo's key). With ``reshard_after_forward=False`` an edit between eval forwards
+        reaches the gathered copy only (FSDP2 gathers it again only after a reshard)."""
+        return tuple(p._version for p in self.params) + tuple(t._version for t in self.gathered)
+
+
+_MISSING = object()
+_params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gathered parameter -> its FSDPParam, or None if it has none
+
+
+def _index() -> None:
+    """Map every gathered parameter FSDP2 has made so far to its ``FSDPParam`` (the private read of this module)."""
+    for ref in list(_module_state_mapping.values()):
+        state = ref()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            single = getattr(state, "_fsdp_param_group", None)
+            groups = [] if single is None else [single]
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                gathered = getattr(fsdp_param, "_unsharded_param", None)
+                if gathered is not None:
+                    _params[gathered] = fsdp_param
+
+
+def fsdp_param(param: torch.Tensor):
+    """The ``FSDPParam`` whose gathered tensor ``param`` is, or None (no FSDP2, or a parameter it does not manage)."""
+    if not _module_state_mapping:
+        return None
+    hit = _params.get(param, _MISSING)
+    if hit is _MISSING:
+        _index()
+        hit = _params.get(param, _MISSING)
+        if hit is _MISSING:
+            hit = _params[param] = None
+    return hit
+
+
+def _local_shard(fp) -> Optional[torch.Tensor]:
+    local = getattr(getattr(fp, "sharded_param", None), "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else None
+
+
+def _row_group(fp):
+    """(group, rank, world) where ``fp`` is sharded over rows on a one-dimensional shard group, else None."""
+    placement = getattr(fp, "fsdp_placement", None)
+    info = getattr(fp, "mesh_info", None)
+    if placement is None or getattr(placement, "dim", None) != 0 or info is None:
+        return None
+    group = getattr(info, "shard_process_group", None)
+    rank, world = getattr(info, "shard_mesh_rank", None), getattr(info, "shard_mesh_size", None)
+    if group is None or rank is None or not world:
+        return None
+    return group, rank, world
+
+
+def stand_ins(tensors) -> Optional[tuple]:
+    """``(keys, versions)`` for memos of values computed from ``tensors`` where some of them are FSDP2-gathered:
+    each gathered tensor replaced by the rank's local shard, with the sharded parameters' versions (see
+    :meth:`NormShards.versions`); None where none is (the tensors key the memo themselves). A gathered tensor's
+    own version counter and storage do not show an edit of its shard: FSDP2 gathers into the same parameter object,
+    often at the same address, without always moving its version."""
+    if not _module_state_mapping:
+        return None
+    keys, versions, found = [], [], False
+    for t in tensors:
+        fp = fsdp_param(t)
+        local = None if fp is None else _local_shard(fp)
+        if local is None:
+            keys.append(t)
+        else:
+            keys.append(local)
+            versions += (fp.sharded_param._version, t._version)  # as NormShards.versions
+            found = True
+    return (tuple(keys), tuple(versions)) if found else None
+
+
+def norm_shards(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> Optional[NormShards]:
+    """The keys and rows of a DoRA Linear's norm where FSDP2 manages ``W`` (stored [d_out, d_in]), ``A`` and ``B``
+    (the gathered tensors a forward sees); None where it does not (the norm then runs as without FSDP2)."""
+    if not _module_state_mapping:  # no composable state at all: the common case costs one check
+        return None
+    fps = [fsdp_param(t) for t in (weight, lora_A, lora_B)]
+    if any(fp is None for fp in fps):
+        return None
+    params = tuple(getattr(fp, "sharded_param", None) for fp in fps)
+    keys = tuple(_local_shard(fp) for fp in fps)
+    if any(k is None for k in keys):
+        return None
+    d_out = weight.shape[0]
+    w_group, b_group = _row_group(fps[0]), _row_group(fps[2])
+    if w_group is None or w_group != b_group or weight.dim() != 2 or lora_B.shape[0] != d_out:
+        return NormShards(keys, params, (weight, lora_A, lora_B))
+    group, rank, world = w_group
+    chunk = -(-d_out // world)
+    start, stop = min(d_out, rank * chunk), min(d_out, (rank + 1) * chunk)
+    if keys[0].shape[0] != stop - start or keys[2].shape[0] != stop - start:  # not torch.chunk's rows: the whole norm
+        return NormShards(keys, params, (weight, lora_A, lora_B))
+    return NormShards(keys, params, (weight, lora_A, lora_B), group, start, stop, chunk)
+
+
+@torch.no_grad()
+def gather_rows(part: torch.Tensor, shards: NormShards, d_out: int) -> torch.Tensor:
+    """The whole [d_out] norm from every rank's rows (``part``: this rank's, ``stop - start`` of them): one
+    all-gather of ``chunk`` floats per rank (the last ranks' rows padded)."""
+    world = dist.get_world_size(shards.group)
+    padded = part.new_zeros(shards.chunk)
+    padded[: part.shape[0]].copy_(part)
+    out = part.new_empty(shards.chunk * world)
+    dist.all_gather_into_tensor(out, padded, group=shards.group)
+    return out[:d_out]
