@@ -227,8 +227,13 @@ class DoraLinearLayer(nn.Module):
         (``dora_dispatch`` lists them): the decode step or the small forward with reused factors, the training
         output with ``lora_B`` inside its node, the one-pass output kernel, the composition."""
         weight = _forward_weight(base_layer)
-        bias = base_layer._parameters["bias"] if type(base_layer) is nn.Linear else base_layer.bias
-        magnitude = self._parameters["weight"]
+        # straight from the parameter dicts where they hold them; FSDP1 (use_orig_params) puts plain tensor views in
+        # their place for its forward and backward, found as attributes
+        params = base_layer._parameters
+        bias = params["bias"] if type(base_layer) is nn.Linear and "bias" in params else base_layer.bias
+        magnitude = self._parameters.get("weight")
+        if magnitude is None:
+            magnitude = self.weight
         plain = _plain_branch(lora_A, lora_B)
         if plain is None:  # LoRA modules with a bias, hooks or a forward of their own run as they are
             weight_a, weight_b = lora_A.weight, lora_B.weight

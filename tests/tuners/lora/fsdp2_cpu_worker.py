@@ -46,7 +46,10 @@ def main() -> int:
     p.add_argument("--optim", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--dora", type=int, default=1, help="0: plain LoRA, the same engine's baseline")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per process")
-    p.add_argument("--fsdp", type=int, default=-1, help="1: fully_shard even in one process (-1: with > 1)")
+    p.add_argument("--fsdp", type=int, default=-1, help="1: shard even in one process (-1: with > 1)")
+    p.add_argument("--engine", choices=("fsdp2", "fsdp1"), default="fsdp2",
+                   help="fsdp2: fully_shard per decoder layer and the root; fsdp1: FullyShardedDataParallel wrapping "
+                        "each decoder layer (use_orig_params, FULL_SHARD or with --reshard 0 SHARD_GRAD_OP)")  # fmt: skip
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -61,7 +64,19 @@ def main() -> int:
     if args.checkpointing:
         model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.base_model.model.enable_input_require_grads()
-    if fsdp:
+    if fsdp and args.engine == "fsdp1":
+        import functools
+
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        strategy = ShardingStrategy.FULL_SHARD if args.reshard else ShardingStrategy.SHARD_GRAD_OP
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+        device_id = torch.cuda.current_device() if args.device == "cuda" else torch.device("cpu")
+        model = FullyShardedDataParallel(model, auto_wrap_policy=policy, sharding_strategy=strategy,
+                                         use_orig_params=True, device_id=device_id)  # fmt: skip
+    elif fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -96,11 +111,13 @@ def main() -> int:
 
     full = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
             for name, t in model.state_dict().items()}  # fmt: skip
-    adapter = get_peft_model_state_dict(model, state_dict=full)
+    unsharded = build(bool(args.dora))  # the gathered state in an unsharded model (FSDP1 renames modules)
+    unsharded.load_state_dict(full)
+    adapter = get_peft_model_state_dict(unsharded)
     evaluated = evaluate(model, world)  # edits the adapter: after the trained one is saved
-    norm_check = check_norms(model) if fsdp else None
+    norm_check = check_norms(model) if fsdp and args.engine == "fsdp2" else None
     if rank == 0:
-        torch.save({"losses": losses, "adapter": adapter, "world": world, "fsdp": fsdp, "counts": counts,
+        torch.save({"losses": losses, "adapter": adapter, "world": world, "fsdp": fsdp and args.engine, "counts": counts,
                     "eval": evaluated, "norm_check": norm_check}, args.out)  # fmt: skip
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -4,12 +4,13 @@ FSDP2 gathers each layer's parameters and frees them again after its passes.
 A kept reference to a gathered parameter must never be read once FSDP2 has freed its storage: the optimizer-step
 hook that starts the magnitudes' zero tests once read a freed gathered magnitude (an illegal memory access at the
 first ``optimizer.step()`` under FSDP2). FSDP2 in one process (``--fsdp 1``) and, with two GPUs, in two, trains as
-the same model without FSDP2: the same losses and, with SGD, the same adapter.
+the same model without FSDP2: the same losses and, with SGD, the same adapter; the sharded norm equals the whole
+norm and is kept on the shards (``test_dora_fsdp2_cpu._check_sharded_norm``).
 """
 
 import pytest
 import torch
-from test_dora_fsdp2_cpu import _train
+from test_dora_fsdp2_cpu import _check_sharded_norm, _train
 
 
 pytestmark = pytest.mark.gpu
@@ -26,6 +27,7 @@ def test_fsdp2_on_gpus_trains_as_without_fsdp(tmp_path, optim, reshard):
     for procs, run in runs.items():
         assert run["fsdp"] and run["world"] == procs
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=1e-5)
+        _check_sharded_norm(run, plain, recompute=True, same_params=optim == "sgd")  # through NCCL's all-gather
         if optim == "sgd":
             for name, value in plain["adapter"].items():
                 torch.testing.assert_close(run["adapter"][name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -1,0 +1,471 @@
+"""Multi-GPU training benchmark: upstream PEFT 0.21.2 DoRA vs ours vs plain LoRA under a sharding engine (FSDP2).
+
+This launcher owns the plan, the launches and the report. Each implementation runs in its own ``torchrun --standalone
+--nproc_per_node N multi_gpu_worker.py`` launch from its own ``pip install --no-deps --target`` directory
+(``bench_model.install``), first on ``PYTHONPATH``; ``lora`` is ``use_dora=False`` from our wheel. A launch trains
+every rank of ``--ranks`` in turn (one process start and one NCCL setup per launch, not per rank). Launches run in
+interleaved rounds (``bench_model._rounds``: all impls, then the same in reverse order, ...), so that the host's drift
+hits every implementation alike; ratios are medians of per-round ratios (``bench_model.time_ratio``).
+
+Model: a Llama from ``LlamaConfig`` with seeded random weights (no downloads), ``--shape`` 8b / 70b / tiny with
+``--layers`` decoder layers; LoRA/DoRA on all linear projections, ``lora_alpha = 2r``, seeded non-zero A, B and
+magnitudes; non-reentrant gradient checkpointing; AdamW; ``--precision bf16`` (every parameter bf16) or ``mp`` (fp32
+parameters, FSDP2 ``MixedPrecisionPolicy(bf16, reduce fp32)``). Each process takes its own rows of a seeded global
+batch, the same for every implementation, so losses compare. Per step: time (CUDA events, the slowest process),
+loss (mean over processes), the gradient proof (every trainable tensor's whole gradient finite and non-zero), our
+norm counters; per process the peak memory over static.
+
+    python benchmarks/bench_multi_gpu.py --plan                       # what would run, estimated seconds
+    python benchmarks/bench_multi_gpu.py --engine fsdp2 --nproc 2 --shape 8b --ranks 16,128 --precision bf16
+    python benchmarks/bench_multi_gpu.py --device cpu --shape tiny --nproc 2 --ranks 4 --seq 16 --steps 2 \\
+        --warmup 1 --rounds 1 --impls ours,lora --use-installed     # the CPU smoke (gloo), in about half a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import bench_model
+from multi_gpu_worker import ENGINES, IMPLEMENTED_ENGINES
+
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "multi_gpu_worker.py"
+SCHEMA = "bench_multi_gpu/1"
+IMPLS = {  # name: (wheel, is our DoRA's package, use_dora)
+    "upstream": {"wheel": "upstream", "ours": False, "dora": True},
+    "ours": {"wheel": "ours", "ours": True, "dora": True},
+    "lora": {"wheel": "ours", "ours": True, "dora": False},
+}
+DORA = ("ours", "upstream")
+LLAMA = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+         "initializer_range": 0.02}  # fmt: skip
+SHAPES = {
+    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "vocab_size": 128256},
+    "70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+            "vocab_size": 128256},
+    "tiny": {"hidden_size": 64, "intermediate_size": 99, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "vocab_size": 128, "max_position_embeddings": 4096},
+}  # fmt: skip
+PRECISIONS = ("bf16", "mp")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configuration, plan and cost estimate.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--engine", default="fsdp2", choices=list(ENGINES), help=f"implemented: {', '.join(IMPLEMENTED_ENGINES)}")
+    a("--nproc", type=int, default=2, help="processes (GPUs) per launch")
+    a("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, a smoke run")
+    a("--shape", default="8b", choices=list(SHAPES))
+    a("--layers", type=int, help="decoder layers (default 4; tiny 2)")
+    a("--ranks", default="16,128", help="comma list; every rank in each launch")
+    a("--impls", default="upstream,ours,lora", help=f"comma list of {', '.join(IMPLS)}")
+    a("--seq", type=int, default=4096)
+    a("--batch", type=int, default=1, help="rows per process and step")
+    a("--precision", default="bf16", choices=PRECISIONS, help="bf16: all parameters bf16; mp: fp32 + bf16 compute")
+    a("--reshard", type=int, default=1, choices=(0, 1), help="FSDP2 reshard_after_forward")
+    a("--warmup", type=int, default=3, help="untimed steps, at least 1 (the static memory must hold AdamW's state)")
+    a("--steps", type=int, default=8, help="timed steps")
+    a("--rounds", type=int, default=2, help="interleaved rounds of every implementation")
+    a("--lr", type=float, default=1e-5)
+    a("--seed", type=int, default=0)
+    a("--ours-wheel", help="our wheel or an install directory (default: .carry-bench/, else built from this checkout)")
+    a("--upstream-wheel", help="upstream's wheel or an install directory (default: PEFT_UPSTREAM_WHEEL, .carry-bench/,"
+      " tools/upstream.py)")  # fmt: skip
+    a("--use-installed", action="store_true", help="ours and lora from this environment's peft (no wheel installs)")
+    a("--workdir", default=os.path.join(tempfile.gettempdir(), "peft_multi_gpu"), help="installs, specs, results")
+    a("--out", help="the JSON (default results/multi_gpu.json; off the GPU results/cpu_smoke/multi_gpu.json)")
+    a("--headline", nargs="?", const=str(bench_model.RESULTS / "headline.json"), metavar="PATH",
+      help="merge the headline keys into PATH (default results/headline.json); GPU runs only")  # fmt: skip
+    a("--timeout-s", type=float, default=600.0, help="per launch; the launch's process group is killed after it")
+    a("--deadline-min", type=float, help="start no launch after this many minutes (skipped launches are listed)")
+    a("--plan", action="store_true", help="print what would run and the estimated seconds, then stop")
+    return p.parse_args(argv)
+
+
+def resolve_config(args) -> dict:
+    if args.engine not in IMPLEMENTED_ENGINES:
+        raise SystemExit(f"engine {args.engine!r} is not implemented yet (only {', '.join(IMPLEMENTED_ENGINES)}); "
+                         "see multi_gpu_worker.ENGINES for the extension point")  # fmt: skip
+    impls = bench_model._names(args.impls, IMPLS)
+    layers = args.layers if args.layers is not None else (2 if args.shape == "tiny" else 4)
+    kwargs = dict(LLAMA, **SHAPES[args.shape], num_hidden_layers=layers)
+    gpu = args.device.startswith("cuda")
+    return {
+        "engine": args.engine,
+        "nproc": args.nproc,
+        "device": args.device,
+        "backend": "nccl" if gpu else "gloo",
+        "shape": args.shape,
+        "model": {
+            "config_class": "LlamaConfig",
+            "model_class": "LlamaForCausalLM",
+            "config_kwargs": kwargs,
+            "seed": args.seed,
+        },  # fmt: skip
+        "ranks": bench_model._ints(args.ranks),
+        "impls": impls,
+        "rounds": max(1, args.rounds),
+        "seq": args.seq,
+        "batch": args.batch,
+        "global_batch": args.batch * args.nproc,
+        "precision": args.precision,
+        "reshard": args.reshard,
+        "warmup": max(1, args.warmup),
+        "steps": max(1, args.steps),
+        "lr": args.lr,
+        "lora": {
+            "lora_alpha": "2r",
+            "target_modules": "all-linear",
+            "lora_dropout": 0.0,
+            "adapters": "A, B, magnitudes seeded per module name (model_worker.seed_adapters; B != 0)",
+            "gradient_checkpointing": "non-reentrant",
+            "optimizer": "AdamW",
+            "loss": "every token, labels = input_ids",
+        },  # fmt: skip
+        "launch": "one torchrun launch per (impl, round), every rank inside it",
+    }
+
+
+def plan_jobs(cfg: dict) -> list:
+    """One launch per (round, impl), in ``bench_model._rounds``' interleaved order."""
+    order = bench_model._rounds({"impls": cfg["impls"], "rounds": cfg["rounds"]})
+    return [{"impl": impl, "round": k} for k, impl in order]
+
+
+# A rough cost model: it only has to tell whether a plan fits a 10-minute device call. FLOPs per process at
+# bench_model's effective rate; a training step with checkpointing is about four forwards. Communication is assumed
+# hidden behind compute (FSDP2 prefetches the next layer's all-gather).
+LAUNCH_S = 35.0  # torchrun, imports, CUDA contexts, NCCL rendezvous
+BUILD_S_PER_GB = 0.5  # random init on the GPU, the wrap and fully_shard, per GB of model in the parameter dtype
+CPU_LAUNCH_S = 10.0  # the tiny CPU smoke: process starts and imports dominate
+
+
+def estimate_s(cfg: dict, job: dict) -> float:
+    if cfg["device"] == "cpu":
+        return CPU_LAUNCH_S + len(cfg["ranks"]) * 2.0
+    ck = cfg["model"]["config_kwargs"]
+    gb = bench_model.weights(ck) * (2 if cfg["precision"] == "bf16" else 4) / 1e9
+    total = LAUNCH_S
+    for rank in cfg["ranks"]:
+        upstream = job["impl"] == "upstream"
+        flops, dense = bench_model.forward_flops(ck, cfg["batch"], cfg["seq"], rank, upstream=upstream)
+        step_s = 4 * (flops + dense) / bench_model.EFFECTIVE_FLOPS
+        total += BUILD_S_PER_GB * gb + (cfg["warmup"] + cfg["steps"]) * step_s
+    return total
+
+
+def print_plan(cfg: dict, jobs: list) -> float:
+    ck = cfg["model"]["config_kwargs"]
+    print(
+        f"plan: {len(jobs)} launches of {cfg['nproc']} processes ({cfg['engine']}, {cfg['backend']}) on "
+        f"{cfg['device']}: shape {cfg['shape']} (hidden {ck['hidden_size']}, {ck['num_hidden_layers']} layers), "
+        f"ranks {cfg['ranks']}, seq {cfg['seq']} x batch {cfg['batch']} per process, {cfg['precision']}, "
+        f"reshard {cfg['reshard']}, {cfg['warmup']}+{cfg['steps']} steps"
+    )
+    total = 0.0
+    for j in jobs:
+        s = estimate_s(cfg, j)
+        total += s
+        print(f"  round {j['round']} {j['impl']:9s} ranks {','.join(map(str, cfg['ranks']))}  ~{s:4.0f} s")
+    print(f"estimated ~{total:.0f} s ({total / 60:.1f} min; a rough FLOP/launch model: estimate_s)")
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launches.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _installed_peft() -> Path:
+    """The folder holding this environment's ``peft`` package (found, not imported: the launcher stays clean)."""
+    spec = importlib.util.find_spec("peft")
+    if spec is None or spec.origin is None:
+        raise SystemExit("--use-installed: no peft in this environment")
+    return Path(spec.origin).resolve().parent.parent
+
+
+def _upstream_wheel(explicit) -> Path:
+    if explicit or os.environ.get("PEFT_UPSTREAM_WHEEL"):
+        return Path(explicit or os.environ["PEFT_UPSTREAM_WHEEL"])
+    try:
+        return bench_model.find_wheel(None, "upstream")
+    except SystemExit:
+        sys.path.insert(0, str(bench_model.REPO))
+        from tools import upstream as pinned
+
+        return pinned.wheel()
+
+
+def _ours_wheel(explicit, workdir: Path) -> Path:
+    try:
+        return bench_model.find_wheel(explicit, "ours")
+    except SystemExit:
+        import compare
+
+        return compare.build_ours(workdir / "wheels")  # pip wheel --no-deps --no-build-isolation of this checkout
+
+
+def wheel_targets(cfg: dict, args, workdir: Path) -> dict:
+    """The install directory of each wheel the plan needs: ours (``--use-installed``: this environment's), upstream."""
+    wheels = {IMPLS[i]["wheel"] for i in cfg["impls"]}
+    targets = {}
+    if "ours" in wheels:
+        ours = _installed_peft() if args.use_installed else _ours_wheel(args.ours_wheel, workdir)
+        targets["ours"] = ours if args.use_installed else bench_model.install(ours, workdir / "targets")
+    if "upstream" in wheels:
+        targets["upstream"] = bench_model.install(_upstream_wheel(args.upstream_wheel), workdir / "targets")
+    return targets
+
+
+def worker_env(target: Path, device: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEFT_DORA_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(target)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env.update(PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")  # NVLink multicast stays off on the lent machines
+    if device == "cpu":
+        env["OMP_NUM_THREADS"] = "1"  # tiny tensors, one core per process
+    return env
+
+
+def launch(cfg: dict, job: dict, target: Path, workdir: Path, timeout: float) -> dict:
+    """One torchrun launch; what rank 0 wrote (records, peft info) plus every process's error, or the exit status."""
+    tag = f"{job['impl']}_r{job['round']}"
+    result = workdir / f"result_{tag}.json"
+    for old in [result, *workdir.glob(f"result_{tag}.rank*.err")]:
+        old.unlink(missing_ok=True)
+    spec = dict(cfg, impl=dict(IMPLS[job["impl"]], name=job["impl"], target=str(target)), round=job["round"],
+                result=str(result))  # fmt: skip
+    spec_path = workdir / f"spec_{tag}.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg['nproc']}",
+           str(WORKER), str(spec_path)]  # fmt: skip
+    print(f"--- {tag}: starting", flush=True)
+    t0 = time.perf_counter()
+    # a session of its own, so that a timeout ends torchrun and every worker it started
+    proc = subprocess.Popen(cmd, env=worker_env(target, cfg["device"]), cwd=HERE, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = "timeout"
+    wall = time.perf_counter() - t0
+    print(f"--- {tag}: exit {rc} after {wall:.0f} s", flush=True)
+    out = json.loads(result.read_text()) if result.exists() else {"records": [], "errors": []}
+    out["wall_s"] = round(wall, 1)
+    for err in sorted(workdir.glob(f"result_{tag}.rank*.err")):
+        out["errors"].append({"impl": job["impl"], "round": job["round"], "process": err.suffixes[-2][5:],
+                              "error": err.read_text()})  # fmt: skip
+    if rc != 0 and not out["errors"]:
+        out["errors"].append({"impl": job["impl"], "round": job["round"], "error": f"torchrun exit {rc}"})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Analysis: ratios, memory, losses, headline.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def speed_view(doc: dict) -> dict:
+    """The records as ``bench_model``'s speed records, rounds collapsed, for its ratio functions."""
+    return {"speed": bench_model.collapse_rounds([dict(r) for r in doc["records"]])}
+
+
+def _peak(doc: dict, impl: str, rank: int):
+    peaks = [r["peak_delta_mb"] for r in doc["records"] if (r["impl"], r["rank"]) == (impl, rank)]
+    return None if not peaks or None in peaks else max(peaks)
+
+
+def _loss_diff(doc: dict, impl: str, rank: int):
+    """Largest |loss − upstream's loss| over steps, each round against upstream's round 0."""
+    ref = [r for r in doc["records"] if (r["impl"], r["rank"]) == ("upstream", rank)]
+    recs = [r for r in doc["records"] if (r["impl"], r["rank"]) == (impl, rank)]
+    if not ref or not recs:
+        return None
+    ref = min(ref, key=lambda r: r["round"])["losses"]
+    return max(abs(a - b) for r in recs for a, b in zip(r["losses"], ref))
+
+
+def summarize(doc: dict) -> list:
+    """One row per rank: median step ms per impl, DoRA/LoRA per DoRA impl and upstream/ours (medians of per-round
+    ratios; None where a record is missing or failed its gradient proof), peak over static and its delta over LoRA
+    in % (largest process, largest round), step-0 loss and the largest |loss diff| vs upstream."""
+    view, cfg, rows = speed_view(doc), doc["config"], []
+    mode = cfg["precision"]
+    for rank in cfg["ranks"]:
+        ms = {i: bench_model.speed_value(view, i, mode, "train", rank) for i in cfg["impls"]}
+        peak = {i: _peak(doc, i, rank) for i in cfg["impls"]}
+        over = {i: 100 * (peak[i] / peak["lora"] - 1) if peak.get(i) and peak.get("lora") else None for i in DORA}
+        step0 = {r["impl"]: r["step0_loss"] for r in sorted(doc["records"], key=lambda r: -r["round"])
+                 if r["rank"] == rank}  # fmt: skip
+        rows.append({
+            "rank": rank, "step_ms": ms,
+            "dora_over_lora": {i: bench_model.time_ratio(view, i, "lora", mode, "train", rank) for i in DORA},
+            "speedup_vs_upstream": bench_model.time_ratio(view, "upstream", "ours", mode, "train", rank),
+            "peak_delta_mb": peak, "peak_delta_over_lora_pct": over, "step0_loss": step0,
+            "loss_max_abs_diff_vs_upstream": {i: _loss_diff(doc, i, rank) for i in cfg["impls"] if i != "upstream"},
+            "proof_ok": {i: all(bench_model.proof_ok(r) for r in view["speed"] if (r["impl"], r["rank"]) == (i, rank))
+                         for i in cfg["impls"]},
+        })  # fmt: skip
+    return rows
+
+
+def _worst(values: list, pick):
+    return None if not values or None in values else round(pick(values), 4)
+
+
+def headline_values(doc: dict) -> dict:
+    """The worst case over ranks: ours' DoRA/LoRA step time (largest), ours' speed-up over upstream (smallest),
+    ours' peak over LoRA's in % (largest); None where a rank lacks the value."""
+    rows, engine = summarize(doc), doc["config"]["engine"]
+    peak_key = "multi_gpu_" + ("" if engine == "fsdp2" else f"{engine}_") + "peak_delta_over_lora_pct"
+    return {
+        f"{engine}_dora_over_lora_train": _worst([r["dora_over_lora"]["ours"] for r in rows], max),
+        f"{engine}_train_speedup_vs_upstream": _worst([r["speedup_vs_upstream"] for r in rows], min),
+        peak_key: _worst([r["peak_delta_over_lora_pct"]["ours"] for r in rows], max),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report: JSON, table, plot.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def write_doc(doc: dict, path: Path, places: dict) -> None:
+    """The JSON with summary and headline values, machine paths (checkout, work dir, output folder, install targets,
+    site-packages) replaced by placeholders, longest first so that a work dir inside the output folder stays whole."""
+    doc["summary"], doc["headline"] = summarize(doc), headline_values(doc)
+    ordered = dict(sorted(places.items(), key=lambda kv: -len(str(kv[1]))))
+    bench_model.write_doc(json.loads(bench_model.scrub(json.dumps(doc), ordered)), path)
+
+
+def _f(x, spec=".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(doc: dict) -> None:
+    impls = doc["config"]["impls"]
+    print(f"\n== {doc['kind']} {doc['config']['engine']} x{doc['config']['nproc']} on {doc['env'].get('gpu')}: step ms "
+          "per impl, DoRA/LoRA (ours, upstream), speed-up upstream/ours, peak over LoRA % (ours, upstream), "
+          "max |loss - upstream| ==")  # fmt: skip
+    for r in summarize(doc):
+        ms = " ".join(f"{i} {_f(r['step_ms'][i], '.1f')}" for i in impls)
+        ratio = " ".join(_f(r["dora_over_lora"][i]) for i in DORA)
+        peak = " ".join(_f(r["peak_delta_over_lora_pct"][i], "+.1f") for i in DORA)
+        diff = " ".join(f"{i} {_f(v, '.2e')}" for i, v in r["loss_max_abs_diff_vs_upstream"].items())
+        proof = "" if all(r["proof_ok"].values()) else f"  PROOF FAILED {r['proof_ok']}"
+        print(f"r={r['rank']:<4d} {ms} | {ratio} | x {_f(r['speedup_vs_upstream'], '.2f')} | peak {peak} | "
+              f"{diff}{proof}")  # fmt: skip
+    for e in doc["errors"]:
+        print(f"ERROR {e['impl']} round {e['round']}: {e['error'].strip().splitlines()[-1]}")
+    for s in doc["skipped"]:
+        print(f"SKIPPED {s}")
+    print("headline values: " + json.dumps(headline_values(doc)))
+
+
+def plot(doc: dict, path: Path):
+    """Bars of the median step ms per implementation per rank (None: matplotlib is not installed)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, impls = summarize(doc), doc["config"]["impls"]
+    w = 0.8 / len(impls)
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(rows)), 4.5))
+    for j, impl in enumerate(impls):
+        vals = [r["step_ms"][impl] for r in rows]
+        ax.bar([k + (j - (len(impls) - 1) / 2) * w for k in range(len(rows))],
+               [math.nan if v is None else v for v in vals], w, label=impl)  # fmt: skip
+    ax.set_xticks(range(len(rows)), [f"r{r['rank']}" for r in rows])
+    ax.set_ylabel("training step, ms (median)")
+    ax.legend()
+    cfg = doc["config"]
+    smoke = "\nCPU SMOKE RUN: a pipeline check, not a measurement" if doc["kind"] != "gpu" else ""
+    layers = cfg["model"]["config_kwargs"]["num_hidden_layers"]
+    ax.set_title(f"{cfg['engine']} x{cfg['nproc']}, {cfg['shape']} ({layers} layers), seq {cfg['seq']}, "
+                 f"{cfg['precision']} on {doc['env'].get('gpu')}{smoke}", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The driver.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run(args, argv: list) -> int:
+    cfg = resolve_config(args)
+    jobs = plan_jobs(cfg)
+    print_plan(cfg, jobs)
+    if args.plan:
+        return 0
+    gpu = cfg["device"].startswith("cuda")
+    if args.headline and not gpu:
+        raise SystemExit("--headline: only a GPU run writes headline values (this is a CPU run)")
+    out = Path(args.out or (bench_model.RESULTS / ("" if gpu else "cpu_smoke") / "multi_gpu.json"))
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    targets = wheel_targets(cfg, args, workdir)
+    places = {"repo": bench_model.REPO, "workdir": workdir.resolve(), "out": out.resolve().parent}
+    places.update({f"target_{k}": v for k, v in targets.items()})
+    doc = {"schema": SCHEMA, "kind": "gpu" if gpu else "cpu_smoke", "env": bench_model.environment(cfg["device"], {}),
+           "impls": {}, "config": cfg, "runs": [{"argv": argv}], "records": [], "launches": [], "errors": [],
+           "skipped": []}  # fmt: skip
+    for job in jobs:
+        if args.deadline_min is not None and time.time() - t_start > 60 * args.deadline_min:
+            doc["skipped"].append(dict(job, why="deadline"))
+            continue
+        result = launch(cfg, job, targets[IMPLS[job["impl"]]["wheel"]], workdir, args.timeout_s)
+        if "info" in result:
+            doc["env"].update({k: v for k, v in result["info"].pop("env").items() if v is not None})
+            doc["impls"][job["impl"]] = result["info"]
+        doc["records"] += result["records"]
+        doc["errors"] += result["errors"]
+        doc["launches"].append(dict(job, wall_s=result["wall_s"], world=result.get("world"),
+                                    backend=result.get("backend")))  # fmt: skip
+        for r in result["records"]:
+            if not r["grad_proof"]["ok"]:
+                failed = f"rank {r['rank']}: gradient proof failed {r['grad_proof']['bad_names']}"
+                doc["errors"].append({"impl": r["impl"], "round": r["round"], "error": failed})
+        write_doc(doc, out, places)  # after every launch: a run cut off keeps what finished
+    doc["runs"][-1]["wall_s"] = round(time.time() - t_start, 1)
+    write_doc(doc, out, places)
+    print_table(doc)
+    print(f"wrote {out}")
+    png = plot(doc, out.with_suffix(".png"))
+    print(f"wrote {png}" if png else "no plot: matplotlib is not installed")
+    if args.headline:
+        written = bench_model.write_headline(doc["kind"], headline_values(doc), Path(args.headline))
+        print(f"updated {args.headline}: {json.dumps(written)}")
+    return 1 if doc["errors"] else 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return run(parse_args(argv), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

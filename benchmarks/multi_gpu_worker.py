@@ -1,0 +1,268 @@
+"""One implementation's share of the multi-GPU training benchmark, one process per GPU, started by ``torchrun`` from
+``bench_multi_gpu.py``.
+
+Started as ``torchrun --standalone --nproc_per_node N multi_gpu_worker.py SPEC.json``. For each rank in the spec every
+process builds the same seeded random Llama (``model_worker.build_base``), wraps it with LoRA or DoRA on all linear
+projections, seeds the adapters (``model_worker.seed_adapters``), shards it with the spec's engine, and trains
+``warmup + steps`` steps on its rows of a seeded global batch, timed by ``model_worker.measure``. This module owns
+the engines (the sharding), the distributed gradient proof and the per-step collectives (loss mean, step time max,
+peak memory per rank); rank 0 writes the result file after every rank, and a failing process writes
+``RESULT.rankN.err``.
+
+Nothing here imports from the repository root: the script directory is ``sys.path[0]``, so the overlay tree there
+cannot shadow the installed package the parent put first on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import traceback
+import types
+from pathlib import Path
+
+import model_worker as mw
+import torch
+import torch.distributed as dist
+
+
+def shard_fsdp2(model, spec: dict, mesh) -> None:
+    """Raw FSDP2: ``fully_shard`` on every decoder layer, then on the root (in place). ``mp`` keeps fp32 parameters and
+    computes in bf16 with fp32 gradient reduction (gloo runs both precisions too, for the CPU smoke)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = {"mesh": mesh, "reshard_after_forward": bool(spec["reshard"])}
+    if spec["precision"] == "mp":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def shard_fsdp1(model, spec: dict, mesh):
+    """FSDP1: ``FullyShardedDataParallel`` on every decoder layer (and the root), ``use_orig_params`` (PEFT's frozen
+    base weights beside trainable adapters), FULL_SHARD or with ``--reshard 0`` SHARD_GRAD_OP; ``mp`` as for FSDP2.
+    Returns the wrapper, which the caller trains."""
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    mp = None
+    if spec["precision"] == "mp":
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+    device = next(model.parameters()).device
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}),
+        sharding_strategy=ShardingStrategy.FULL_SHARD if spec["reshard"] else ShardingStrategy.SHARD_GRAD_OP,
+        mixed_precision=mp,
+        use_orig_params=True,
+        device_id=device if device.type == "cuda" else torch.device("cpu"),
+    )
+
+
+def _not_implemented(name: str, how: str):
+    def shard(model, spec: dict, mesh) -> None:
+        raise NotImplementedError(f"engine {name!r} is not implemented yet ({how}); only fsdp2 runs")
+
+    return shard
+
+
+# Extension point: an engine is ``shard(model, spec, mesh)``, called after the adapters are seeded and cast and
+# gradient checkpointing is on; it shards in place (None) or returns the wrapper to train, and the optimizer is built
+# on the parameters it leaves. The launcher refuses the rest.
+ENGINES = {
+    "fsdp2": shard_fsdp2,
+    "fsdp1": shard_fsdp1,
+    "zero2": _not_implemented("zero2", "DeepSpeed ZeRO stage 2 through accelerate"),
+    "zero3": _not_implemented("zero3", "DeepSpeed ZeRO stage 3 through accelerate"),
+}
+IMPLEMENTED_ENGINES = ("fsdp2", "fsdp1")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gradient proof over shards.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def global_grads(named_params: list) -> list:
+    """(name, stand-in) per trainable tensor whose ``grad`` is a 0-d tensor holding the whole gradient's norm: each
+    rank's squared norm of its own shard, summed over ranks in one all-reduce (a NaN anywhere stays NaN). A gradient
+    missing on every rank is missing (``grad`` None); FSDP1 gives a parameter a gradient only on the ranks whose flat
+    shard holds part of it. So :func:`model_worker.grad_check` judges the whole tensors."""
+    rows = []
+    for _, p in named_params:
+        g = None if p.grad is None else _local(p.grad)
+        sq = torch.zeros((), dtype=torch.float32, device=p.device) if g is None else g.float().square().sum()
+        rows.append(torch.stack([sq, torch.tensor(float(g is None), device=sq.device)]))
+    table = torch.stack(rows)
+    world = 1
+    if dist.is_initialized():
+        dist.all_reduce(table)
+        world = dist.get_world_size()
+    return [(n, types.SimpleNamespace(grad=None if miss >= world else sq.sqrt())) for (n, _), (sq, miss) in
+            zip(named_params, table.cpu())]  # fmt: skip
+
+
+class ShardedGradProof(mw.GradProof):
+    """:class:`model_worker.GradProof` on whole gradients assembled from the ranks' shards (:func:`global_grads`)."""
+
+    def __call__(self) -> None:
+        self.last = mw.grad_check(global_grads(self.params))
+        self.steps += 1
+        self.bad += [n for n in self.last["bad"] if n not in self.bad]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One rank of the adapters: build, shard, train, measure.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build(spec: dict, rank: int, device: torch.device):
+    """The seeded base in the run's parameter dtype, LoRA/DoRA (alpha 2r) on all linear projections with seeded
+    A, B (non-zero) and magnitudes, non-reentrant gradient checkpointing; the same on every process."""
+    from peft import LoraConfig, get_peft_model
+
+    dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
+    base = mw.build_base(spec["model"], device, dtype)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear",
+                        use_dora=spec["impl"]["dora"])  # fmt: skip
+    with torch.device(device):
+        model = get_peft_model(base, config)
+    mw.seed_adapters(model, spec["model"]["seed"], spec["model"]["config_kwargs"]["initializer_range"])
+    model = model.to(dtype)  # one dtype for FSDP's flat all-gather (PEFT keeps adapters in fp32 by default)
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.base_model.model.enable_input_require_grads()
+    return model
+
+
+def batches(spec: dict, world: int, rank: int, device: torch.device) -> list:
+    """Every step's rows of this process: a seeded global batch of ``batch * world`` rows per step, row r, r + N, ...
+    to process r, so every implementation trains on the same tokens. Labels are the inputs."""
+    g = torch.Generator().manual_seed(spec["model"]["seed"] + 1)
+    n, vocab = spec["warmup"] + spec["steps"], spec["model"]["config_kwargs"]["vocab_size"]
+    shape = (spec["batch"] * world, spec["seq"])
+    return [torch.randint(0, vocab, shape, generator=g)[rank::world].to(device) for _ in range(n)]
+
+
+def _gather(value) -> list:
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, proc: int) -> dict:
+    """One (impl, rank) record: per-step time (the slowest process's), per-step loss (mean over processes), peak over
+    static per process, the gradient proof of every step, and for ours the norm counters per step and the tiers."""
+    from peft.tuners.lora import dora
+
+    model = build(spec, rank, device)
+    model = ENGINES[spec["engine"]](model, spec, mesh) or model
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=spec["lr"])
+    data, losses, counts = iter(batches(spec, world, proc, device)), [], []
+    norm_counts = getattr(dora, "norm_counts", None)  # ours only
+    seen = [dict(norm_counts or {})]
+
+    def step():
+        ids = next(data)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().float())
+
+    proof = ShardedGradProof(model)
+
+    def after():  # untimed: the gradients of the step just taken (AdamW leaves them), the norm counters' delta
+        proof()
+        if norm_counts is not None:
+            now = dict(norm_counts)
+            counts.append({k: v - seen[-1].get(k, 0) for k, v in now.items() if v != seen[-1].get(k, 0)})
+            seen.append(now)
+
+    out = mw.measure(step, device, spec["warmup"], spec["steps"], lambda: opt.zero_grad(set_to_none=True), after)
+    times = torch.tensor(out["samples_ms"], dtype=torch.float64, device=device)
+    loss = torch.stack(losses).to(torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        dist.all_reduce(loss)
+        loss /= world
+    peaks = _gather(out["peak_delta_mb"])
+    rec = dict(mw.summary(times.tolist()), measure="train", rank=rank)
+    rec.update(losses=[round(x, 6) for x in loss.tolist()], step0_loss=loss[0].item(), grad_proof=proof.result(),
+               peak_delta_mb_per_rank=peaks, static_mb_per_rank=_gather(out["static_mb"]),
+               peak_delta_mb=None if None in peaks else max(peaks), tiers=out["tiers"],
+               norm_counts=counts if norm_counts is not None else None,
+               local_ms_per_rank=_gather(out["median_ms"]))  # fmt: skip
+    opt.zero_grad(set_to_none=True)
+    mw.release(model, opt)
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The process.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def setup(spec: dict):
+    """Process group (NCCL on GPUs, gloo on CPU), this process's device and the 1-D device mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, proc = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    cuda = spec["device"].startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return device, init_device_mesh(device.type, (world,)), world, proc
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    impl, result_path = spec["impl"], Path(spec["result"])
+    device, mesh, world, proc = setup(spec)
+    result = {"impl": impl["name"], "round": spec["round"], "records": [], "errors": [], "world": world,
+              "backend": dist.get_backend()}  # fmt: skip
+    try:
+        import peft
+
+        info = mw.check_peft(impl)
+        info["peft_file"] = peft.__file__
+        info["env"]["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None
+        result["info"] = info
+        for rank in spec["ranks"]:
+            rec = dict(train_rank(spec, rank, device, mesh, world, proc), impl=impl["name"], round=spec["round"])
+            rec["mode"] = spec["precision"]
+            result["records"].append(rec)
+            if proc == 0:
+                finite = all(math.isfinite(x) for x in rec["losses"])
+                print(
+                    f"[{impl['name']} r{spec['round']}] rank {rank}: step {rec['median_ms']:.2f} ms, loss0 "
+                    f"{rec['step0_loss']:.4f}, proof {rec['grad_proof']['ok']}, finite {finite}",
+                    flush=True,
+                )
+                result_path.write_text(json.dumps(result))
+    except Exception:
+        err = traceback.format_exc()
+        print(f"[process {proc}] {err}", file=sys.stderr, flush=True)
+        result_path.with_suffix(f".rank{proc}.err").write_text(err[-3000:])
+        raise
+    if proc == 0:
+        result_path.write_text(json.dumps(result))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
