@@ -48,8 +48,8 @@ def main() -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per process")
     p.add_argument("--fsdp", type=int, default=-1, help="1: shard even in one process (-1: with > 1)")
     p.add_argument("--engine", choices=("fsdp2", "fsdp1"), default="fsdp2",
-                   help="fsdp2: fully_shard per decoder layer and the root; fsdp1: FullyShardedDataParallel wrapping "
-                        "each decoder layer (use_orig_params, FULL_SHARD or with --reshard 0 SHARD_GRAD_OP)")  # fmt: skip
+                   help="fsdp2: fully_shard per decoder layer and the root; fsdp1: FullyShardedDataParallel per "
+                        "decoder layer (use_orig_params, FULL_SHARD or with --reshard 0 SHARD_GRAD_OP)")  # fmt: skip
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -117,8 +117,8 @@ def main() -> int:
     evaluated = evaluate(model, world)  # edits the adapter: after the trained one is saved
     norm_check = check_norms(model) if fsdp and args.engine == "fsdp2" else None
     if rank == 0:
-        torch.save({"losses": losses, "adapter": adapter, "world": world, "fsdp": fsdp and args.engine, "counts": counts,
-                    "eval": evaluated, "norm_check": norm_check}, args.out)  # fmt: skip
+        torch.save({"losses": losses, "adapter": adapter, "world": world, "fsdp": fsdp and args.engine,
+                    "counts": counts, "eval": evaluated, "norm_check": norm_check}, args.out)  # fmt: skip
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
