@@ -246,9 +246,9 @@ class DoraLinearLayer(nn.Module):
 
         zero_free = self._reuse.zero_free
         if self.training and gates.fused:
-            shards = dora_dist.stand_ins((magnitude,))
-            if shards is not None:  # FSDP2: the answer is kept for the magnitude's shard, not its gathered copy
-                zero_free = KeyedMemo(zero_free, *shards)
+            shard = dora_dist.magnitude_shard(magnitude)
+            if shard is not None:  # FSDP2: the answer is kept for the magnitude's shard, not its gathered copy
+                zero_free = KeyedMemo(zero_free, (shard.local,), shard.versions(), shard)
             if not gates.grad and magnitude.requires_grad and magnitude.is_cuda:
                 # the no-grad first pass of a reentrant checkpoint: start the magnitude's zero test now, so that the
                 # training node of the recompute (in the backward) finds the answer instead of waiting for the GPU

@@ -54,10 +54,12 @@ def invalidate_norm_caches() -> None:
     _bump_merge_epoch()
 
 
-def _after_optimizer_step(*_args, **_kwargs) -> None:
+def _after_optimizer_step(optimizer=None, *_args, **_kwargs) -> None:
     _bump_epoch()
     if _zero_watch:
         prefetch_zero_tests()
+    if _shard_watch and optimizer is not None:
+        prefetch_shard_zero_tests(optimizer)
 
 
 # Optimizers built on torch.optim (PyTorch's, bitsandbytes', DeepSpeed's) may write parameters through `.data`,
@@ -137,13 +139,13 @@ class Memo:
 
 class KeyedMemo:
     """A :class:`Memo` asked about some tensors but keyed on others that stand for their values (an FSDP2-gathered
-    magnitude's local shard and versions, ``dora_dist.stand_ins``): ``get``/``put`` ignore the tensors they are
-    given."""
+    magnitude's local shard and versions, ``dora_dist.MagnitudeShard``): ``get``/``put`` ignore the tensors they are
+    given. ``shard``: the magnitude's ``MagnitudeShard``, whose zero test the optimizer-step hook starts."""
 
-    __slots__ = ("memo", "keys", "extra")
+    __slots__ = ("memo", "keys", "extra", "shard")
 
-    def __init__(self, memo: Memo, keys: tuple, extra) -> None:
-        self.memo, self.keys, self.extra = memo, keys, extra
+    def __init__(self, memo: Memo, keys: tuple, extra, shard=None) -> None:
+        self.memo, self.keys, self.extra, self.shard = memo, keys, extra, shard
 
     def get(self, tensors, extra=()) -> Optional[torch.Tensor]:
         return self.memo.get(self.keys, self.extra)
@@ -293,6 +295,7 @@ class LayerReuse:
 # ---------------------------------------------------------------------------------------------------------------
 
 _zero_watch = WeakIdKeyDictionary()  # CUDA magnitude -> its layer's ``zero_free`` memo, for prefetch_zero_tests
+_shard_watch = WeakIdKeyDictionary()  # FSDP2 sharded magnitude -> (memo, MagnitudeShard), prefetch_shard_zero_tests
 
 
 def output_saves_itself(magnitude: torch.Tensor, known: Optional[Memo]) -> bool:
@@ -324,10 +327,12 @@ def output_saves_itself(magnitude: torch.Tensor, known: Optional[Memo]) -> bool:
     if known is not None:
         known.put((magnitude,), no_zero)
         if type(known) is Memo and magnitude.is_cuda and type(magnitude) is nn.Parameter:
-            # not DeepSpeed's partitioned parameters (ds_id), nor FSDP2's gathered ones (a KeyedMemo): the step
-            # hook would read a gathered copy whose shard the step has just changed
+            # not DeepSpeed's partitioned parameters (ds_id), nor FSDP2's gathered ones (a KeyedMemo, below): the
+            # step hook would read a gathered copy whose shard the step has just changed
             if not hasattr(magnitude, "ds_id"):
                 _zero_watch[magnitude] = known
+        elif isinstance(known, KeyedMemo) and known.shard is not None:
+            _shard_watch[known.shard.param] = (known.memo, known.shard)
     return no_zero
 
 
@@ -346,7 +351,10 @@ def _has_zero(*magnitudes: torch.Tensor) -> torch.Tensor:
 
 
 def _start(has_zero: torch.Tensor):
-    """(event, pinned flag): ``has_zero`` copied to the host without waiting, behind an event."""
+    """(event, pinned flag): ``has_zero`` copied to the host without waiting, behind an event (on a CPU, where
+    nothing runs ahead, the answer itself)."""
+    if not has_zero.is_cuda:
+        return not bool(has_zero)
     flag = torch.empty((), dtype=torch.bool, pin_memory=True)
     flag.copy_(has_zero, non_blocking=True)
     event = torch.cuda.Event()
@@ -383,3 +391,25 @@ def prefetch_zero_tests() -> None:
             started = _start(_has_zero(*(m for m, _ in watched)))
         for magnitude, known in watched:
             known.put((magnitude,), started)
+
+
+def prefetch_shard_zero_tests(optimizer) -> None:
+    """Start the zero test of every FSDP2-sharded magnitude ``optimizer`` has just stepped, keyed as the next forward
+    asks (``KeyedMemo``: the local shard, the sharded parameter's new version, the gathered copy's version, which
+    FSDP2's next gather keeps). Each rank tests its own shards (one test per device and group) and one all-reduce
+    (max) gives every rank the answer for the whole magnitudes: FSDP2 steps a sharded optimizer on every rank of the
+    group, so each rank reaches this collective, in the same order. Magnitudes of other optimizers are left alone."""
+    import torch.distributed as dist
+
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    batches: dict = {}
+    for param, (memo, shard) in list(_shard_watch.items()):
+        if id(param) in stepped:
+            batches.setdefault((shard.local.device, id(shard.group)), []).append((memo, shard))
+    for watched in batches.values():
+        group = watched[0][1].group
+        has_zero = _has_zero(*(shard.local for _, shard in watched)).to(torch.float32)
+        dist.all_reduce(has_zero, op=dist.ReduceOp.MAX, group=group)
+        started = _start(has_zero.bool())
+        for memo, shard in watched:
+            memo.put((shard.local,), started, shard.versions())

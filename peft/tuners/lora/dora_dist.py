@@ -135,6 +135,30 @@ def stand_ins(tensors) -> Optional[tuple]:
     return (tuple(keys), tuple(versions)) if found else None
 
 
+@dataclass(frozen=True)
+class MagnitudeShard:
+    """An FSDP2-gathered magnitude's shard: what its zero test is kept on, and the group whose ranks step it together
+    (the optimizer-step hook tests the ranks' shards and takes the maximum over that group)."""
+
+    local: torch.Tensor  # the rank's local shard
+    param: torch.Tensor  # the sharded parameter (DTensor) the optimizer steps
+    gathered: torch.Tensor  # the gathered copy a forward sees
+    group: object
+
+    def versions(self) -> tuple:
+        return (self.param._version, self.gathered._version)  # as NormShards.versions and stand_ins
+
+
+def magnitude_shard(magnitude: torch.Tensor) -> Optional[MagnitudeShard]:
+    """The shard of an FSDP2-gathered magnitude, or None (no FSDP2, or FSDP2 without a one-dimensional shard group)."""
+    if not _module_state_mapping:
+        return None
+    fp = fsdp_param(magnitude)
+    local = None if fp is None else _local_shard(fp)
+    group = None if local is None else getattr(getattr(fp, "mesh_info", None), "shard_process_group", None)
+    return None if group is None else MagnitudeShard(local, fp.sharded_param, magnitude, group)
+
+
 def norm_shards(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> Optional[NormShards]:
     """The keys and rows of a DoRA Linear's norm where FSDP2 manages ``W`` (stored [d_out, d_in]), ``A`` and ``B``
     (the gathered tensors a forward sees); None where it does not (the norm then runs as without FSDP2)."""

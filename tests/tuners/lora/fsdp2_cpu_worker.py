@@ -50,6 +50,7 @@ def main() -> int:
     p.add_argument("--engine", choices=("fsdp2", "fsdp1"), default="fsdp2",
                    help="fsdp2: fully_shard per decoder layer and the root; fsdp1: FullyShardedDataParallel per "
                         "decoder layer (use_orig_params, FULL_SHARD or with --reshard 0 SHARD_GRAD_OP)")  # fmt: skip
+    p.add_argument("--zero-test", type=int, default=0, help="1: check the sharded magnitudes' zero-test prefetch")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -85,6 +86,12 @@ def main() -> int:
             fully_shard(layer, mesh=mesh, reshard_after_forward=bool(args.reshard))
         fully_shard(model, mesh=mesh, reshard_after_forward=bool(args.reshard))
     model.train()
+    if args.zero_test:
+        result = zero_test_check(model, rank)
+        if rank == 0:
+            torch.save({"zero_test": result, "world": world}, args.out)
+        dist.destroy_process_group()
+        return 0
     params = [q for q in model.parameters() if q.requires_grad]
     # AdamW as users run it; SGD, whose update is linear in the gradient, for a tight parameter comparison (Adam's
     # normalisation turns reduction-order noise in near-zero gradients into ~1e-3 parameter differences)
@@ -142,6 +149,83 @@ def evaluate(model, world: int) -> dict:
         logits.append(model(input_ids=ids).logits.float().cpu())
         counts.append(dict(dora.norm_counts))
     return {"logits": logits, "counts": counts}
+
+
+class _ZeroingSGD(torch.optim.SGD):
+    """SGD that also zeroes the first entry of one magnitude's local shard on one rank: a zero that only that rank's
+    own shard test can see."""
+
+    def __init__(self, params, target, zero_rank: int, rank: int):
+        super().__init__(params, lr=0.01)
+        self.target, self.zero_now, self.zero_rank, self.rank = target, False, zero_rank, rank
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        local = self.target._local_tensor
+        if self.zero_now and self.rank == self.zero_rank and local.numel():
+            local[0] = 0.0
+
+
+def zero_test_check(model, rank: int) -> dict:
+    """The magnitudes' zero test under FSDP2 (``dora_cache.prefetch_shard_zero_tests``), asked as the fused training
+    nodes ask it (their forwards are GPU-only): after each optimizer step the step hook tests every rank's shards and
+    all-reduces the answer, so no forward reads a magnitude on the host; a zero on one rank's shard reaches every
+    rank; an optimizer that does not hold the magnitudes starts nothing (no collective on one rank only)."""
+    from peft.tuners.lora import dora_cache, dora_dist
+    from peft.tuners.lora.layer import Linear
+
+    reads = [0]
+    has_zero = dora_cache._has_zero
+
+    def counted(*magnitudes):
+        reads[0] += 1
+        return has_zero(*magnitudes)
+
+    def ask() -> list:
+        """Every DoRA Linear's answer (True: no zero), with its layer gathered as in a forward."""
+        answers = []
+        for layer in model.base_model.model.model.layers:
+            layer.unshard()
+            for module in layer.modules():
+                if isinstance(module, Linear) and "default" in module.lora_magnitude_vector:
+                    dora_layer = module.lora_magnitude_vector["default"]
+                    shard = dora_dist.magnitude_shard(dora_layer.weight)
+                    known = dora_cache.KeyedMemo(dora_layer._reuse.zero_free, (shard.local,), shard.versions(), shard)
+                    dora_cache._has_zero = counted
+                    try:
+                        answers.append(dora_cache.output_saves_itself(dora_layer.weight, known))
+                    finally:
+                        dora_cache._has_zero = has_zero
+            layer.reshard()
+        return answers
+
+    def step(opt) -> None:
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    magnitudes = [p for n, p in model.named_parameters() if "lora_magnitude_vector" in n]
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = _ZeroingSGD(params, magnitudes[3], zero_rank=1, rank=rank)
+    out = {}
+    out["first"] = (ask(), reads[0])  # nothing started yet: each answer read on the host
+    reads[0] = 0
+    step(opt)
+    out["after_step"] = (ask(), reads[0])
+    reads[0] = 0
+    opt.zero_now = True
+    step(opt)
+    out["after_zeroing_step"] = (ask(), reads[0])
+    reads[0] = 0
+    other = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    if rank == 0:  # steps on one rank only: the hook must not start a collective for it
+        other.param_groups[0]["params"][0].grad = torch.ones(2)
+        other.step()
+    dist.barrier()
+    out["after_other_optimizer"] = (ask(), reads[0])
+    return out
 
 
 @torch.no_grad()

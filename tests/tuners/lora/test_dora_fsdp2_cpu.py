@@ -137,3 +137,19 @@ def test_zero_test_prefetch_never_reads_a_freed_parameter():
     finally:
         dora_cache._zero_watch.pop(freed, None)
         dora_cache._zero_watch.pop(live, None)
+
+
+def test_fsdp2_magnitude_zero_test_started_by_the_step_hook(tmp_path):
+    """Under FSDP2 the optimizer-step hook tests every rank's magnitude shards and all-reduces the answer, so the
+    fused training nodes (GPU-only; asked here as they ask) find it instead of reading each gathered magnitude on the
+    host once per module and step; a zero on one rank's shard reaches the other rank; an optimizer stepped on one rank
+    only, holding none of the magnitudes, starts no collective (which would hang the next one)."""
+    out = _train(tmp_path, 2, "--zero-test", "1")["zero_test"]
+    answers, reads = out["first"]
+    assert answers == [True] * MODULES and reads == MODULES  # nothing started yet: read on the host
+    answers, reads = out["after_step"]
+    assert answers == [True] * MODULES and reads == 0
+    answers, reads = out["after_zeroing_step"]  # rank 0's answers: the zero is in rank 1's shard
+    assert answers == [False] * MODULES and reads == 0  # one test for all magnitudes: a zero anywhere counts
+    answers, reads = out["after_other_optimizer"]  # a step of any optimizer ends every kept answer: asked again
+    assert answers == [i != 3 for i in range(MODULES)] and reads == MODULES
