@@ -14,7 +14,9 @@ batch's loss, and FSDP2 averages the gradients). Rank 0 saves the losses and the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -100,11 +102,13 @@ def main() -> int:
 
     gen = torch.Generator().manual_seed(1)
     losses, counts = [], []
-    for _ in range(STEPS):
+    syncs = []  # host syncs in each step's forward and backward (CUDA only): counted by the sync debug mode
+    for step in range(STEPS):
         dora.norm_counts.clear()
         ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)[rank::world].to(args.device)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        with _counting_syncs(args.device == "cuda" and step > 0, syncs):  # step 0 sets up caches and kernels
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss = loss.detach().clone()
@@ -125,7 +129,8 @@ def main() -> int:
     norm_check = check_norms(model) if fsdp and args.engine == "fsdp2" else None
     if rank == 0:
         torch.save({"losses": losses, "adapter": adapter, "world": world, "fsdp": fsdp and args.engine,
-                    "counts": counts, "eval": evaluated, "norm_check": norm_check}, args.out)  # fmt: skip
+                    "counts": counts, "eval": evaluated, "norm_check": norm_check, "syncs": syncs},
+                   args.out)  # fmt: skip
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
@@ -149,6 +154,22 @@ def evaluate(model, world: int) -> dict:
         logits.append(model(input_ids=ids).logits.float().cpu())
         counts.append(dict(dora.norm_counts))
     return {"logits": logits, "counts": counts}
+
+
+@contextlib.contextmanager
+def _counting_syncs(on: bool, counts: list):
+    """Count the synchronizing CUDA calls inside (``torch.cuda.set_sync_debug_mode("warn")`` warns once per call)."""
+    if not on:
+        yield
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    counts.append(sum("synchroniz" in str(w.message) for w in caught))
 
 
 class _ZeroingSGD(torch.optim.SGD):
