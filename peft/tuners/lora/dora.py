@@ -227,16 +227,16 @@ class DoraLinearLayer(nn.Module):
         (``dora_dispatch`` lists them): the decode step or the small forward with reused factors, the training
         output with ``lora_B`` inside its node, the one-pass output kernel, the composition."""
         weight = _forward_weight(base_layer)
-        # straight from the parameter dicts where they hold them; FSDP1 (use_orig_params) puts plain tensor views in
-        # their place for its forward and backward, found as attributes
-        params = base_layer._parameters
-        bias = params["bias"] if type(base_layer) is nn.Linear and "bias" in params else base_layer.bias
-        magnitude = self._parameters.get("weight")
-        if magnitude is None:
-            magnitude = self.weight
+        bias = _own_param(base_layer, "bias") if type(base_layer) is nn.Linear else base_layer.bias
+        magnitude = _own_param(self, "weight")
         plain = _plain_branch(lora_A, lora_B)
+        weight_norm = None
         if plain is None:  # LoRA modules with a bias, hooks or a forward of their own run as they are
             weight_a, weight_b = lora_A.weight, lora_B.weight
+            if hasattr(weight_a, "ds_id") or hasattr(weight_b, "ds_id"):
+                # DeepSpeed ZeRO-3 gathers A and B on access and partitions them again after lora_A's and lora_B's
+                # forwards: the norm first, as upstream's DoRA does
+                weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
             lora = _lora_output(lora_A, lora_B, x)
             gates = LinearGates(result, magnitude, (lora,), False, self.training)
         else:
@@ -254,14 +254,13 @@ class DoraLinearLayer(nn.Module):
                 # training node of the recompute (in the backward) finds the answer instead of waiting for the GPU
                 prefetch_zero_test(magnitude, zero_free)
         factors = None
-        if gates.reuses_factors:
+        if gates.reuses_factors and weight_norm is None:
             factors = self._factors(weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name)
             if factors is not None and gates.decode:
                 out = self._decode(x, result, weight_a, weight_b, factors, bias, scaling)
                 if out is not None:
                     return out
 
-        weight_norm = None
         if lora is None:
             a = F.linear(x, weight_a)
             stride = branch_node_stride(a, result, weight_b, magnitude, bias) if gates.one_node else None
@@ -801,13 +800,23 @@ class DoraConv3dVariant(_DoraConvNdVariant):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _own_param(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """``module.<name>``, straight from its parameter dict where that is PyTorch's own (``nn.Module.__getattr__``
+    costs host time in every forward); through the attribute where a framework stands in: DeepSpeed ZeRO-3 replaces
+    the dict with one that gathers a partitioned parameter on access (a bare dict read gives its empty partition),
+    FSDP1 (``use_orig_params``) replaces the parameters with plain tensor views for its forward and backward."""
+    params = module._parameters
+    if type(params) is dict and name in params:
+        return params[name]
+    return getattr(module, name)
+
+
 def _forward_weight(base_layer: nn.Module):
     """The base weight for the forward: the parameter itself, a ``dora_quant.QuantizedWeight`` for bitsandbytes
     (read in chunks by the norm), else upstream's dequantization. Plain parameters skip upstream's dequantize probe,
     whose type-name string test Dynamo cannot trace (a graph break per DoRA layer under torch.compile)."""
     if type(base_layer) is nn.Linear:
-        # straight from the dict (nn.Module.__getattr__ costs time), and no probe for a quantized weight's `W_q`
-        weight = base_layer._parameters.get("weight")
+        weight = _own_param(base_layer, "weight")  # no probe for a quantized weight's `W_q` either
     else:
         weight = getattr(base_layer, "weight", None)
         # an attribute probe that fails costs an exception inside nn.Module.__getattr__, hence not for a plain Linear
