@@ -20,14 +20,15 @@ import torch
 
 
 HERE = Path(__file__).resolve().parent
-WORKER = HERE / "fsdp2_cpu_worker.py"
+WORKER = HERE / "sharded_training_worker.py"
 
 
-def _train(tmp_path: Path, procs: int, *flags: str) -> dict:
-    out = tmp_path / f"run_{procs}_{abs(hash(flags))}.pt"
+def _train(tmp_path: Path, procs: int, *flags: str, env=None) -> dict:
+    """The worker's results for ``procs`` processes (``env``: the processes' environment, e.g. upstream's install)."""
+    out = tmp_path / f"run_{procs}_{abs(hash(flags))}_{env is not None}.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", str(WORKER),
            str(out), *flags]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     return torch.load(out)
 
@@ -35,7 +36,7 @@ def _train(tmp_path: Path, procs: int, *flags: str) -> dict:
 def _build():
     sys.path.insert(0, str(HERE))
     try:
-        from fsdp2_cpu_worker import build
+        from sharded_training_worker import build
     finally:
         sys.path.remove(str(HERE))
     return build()

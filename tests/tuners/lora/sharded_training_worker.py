@@ -1,19 +1,23 @@
-"""Worker for ``test_dora_fsdp2_cpu.py``: DoRA training under FSDP2 (``fully_shard``) on CPU with the gloo backend,
-started by ``torchrun``; ``--device cuda`` runs it on GPUs with NCCL (``test_dora_fsdp2_gpu.py``). With one process it
-trains the same model unsharded (the reference), unless ``--fsdp 1``.
+"""Worker for the sharded-training tests (``test_dora_fsdp2_cpu.py``, ``test_dora_deepspeed_cpu.py``,
+``test_dora_fsdp2_gpu.py``): DoRA training under FSDP2 (``fully_shard``), FSDP1 or DeepSpeed ZeRO-2/3, started by
+``torchrun``; on CPU with gloo (DeepSpeed's CPU accelerator), with ``--device cuda`` on GPUs with NCCL. With one
+process it trains the same model unsharded (the reference), unless ``--fsdp 1``.
 
-    torchrun --standalone --nproc_per_node 2 fsdp2_cpu_worker.py OUT [--reshard 0|1] [--checkpointing 0|1] \
-        [--optim adamw|sgd] [--dora 0|1]
+    torchrun --standalone --nproc_per_node 2 sharded_training_worker.py OUT [--engine fsdp2|fsdp1|zero2|zero3] \
+        [--reshard 0|1] [--checkpointing 0|1] [--optim adamw|sgd] [--dora 0|1] [--zero-test 0|1]
 
 Every rank trains a tiny Llama with DoRA on all linear layers (fp32, AdamW or SGD, 20 steps) on its share of a fixed
 global batch (rank r takes rows r, r + N, ...; every token has a label, so the mean of the ranks' losses is the global
-batch's loss, and FSDP2 averages the gradients). Rank 0 saves the losses and the full adapter state
-(``get_peft_model_state_dict`` of the gathered parameters) to OUT.
+batch's loss, and the engines average the gradients), then runs eval forwards around in-place edits of B and m.
+Rank 0 saves to OUT the losses, the norm counters per step, the trained adapter (gathered, loaded into an unsharded
+model, ``get_peft_model_state_dict``), the eval logits and counters, under FSDP2 each norm against the whole norm,
+and on CUDA the host syncs per step. It runs under upstream PEFT too (no counters there).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import warnings
@@ -49,9 +53,10 @@ def main() -> int:
     p.add_argument("--dora", type=int, default=1, help="0: plain LoRA, the same engine's baseline")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per process")
     p.add_argument("--fsdp", type=int, default=-1, help="1: shard even in one process (-1: with > 1)")
-    p.add_argument("--engine", choices=("fsdp2", "fsdp1"), default="fsdp2",
+    p.add_argument("--engine", choices=("fsdp2", "fsdp1", "zero2", "zero3"), default="fsdp2",
                    help="fsdp2: fully_shard per decoder layer and the root; fsdp1: FullyShardedDataParallel per "
-                        "decoder layer (use_orig_params, FULL_SHARD or with --reshard 0 SHARD_GRAD_OP)")  # fmt: skip
+                        "decoder layer (use_orig_params, FULL_SHARD or with --reshard 0 SHARD_GRAD_OP); zero2/zero3: "
+                        "DeepSpeed (on CPU its CPU accelerator)")  # fmt: skip
     p.add_argument("--zero-test", type=int, default=0, help="1: check the sharded magnitudes' zero-test prefetch")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -59,7 +64,14 @@ def main() -> int:
     fsdp = world > 1 if args.fsdp < 0 else bool(args.fsdp)
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if fsdp or world > 1:
+    zero = args.engine.startswith("zero") and (fsdp or world > 1)
+    if zero:
+        if args.device == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+    elif fsdp or world > 1:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     model = build(bool(args.dora))
     if args.device == "cuda":
@@ -79,7 +91,7 @@ def main() -> int:
         device_id = torch.cuda.current_device() if args.device == "cuda" else torch.device("cpu")
         model = FullyShardedDataParallel(model, auto_wrap_policy=policy, sharding_strategy=strategy,
                                          use_orig_params=True, device_id=device_id)  # fmt: skip
-    elif fsdp:
+    elif fsdp and args.engine == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -98,30 +110,37 @@ def main() -> int:
     # AdamW as users run it; SGD, whose update is linear in the gradient, for a tight parameter comparison (Adam's
     # normalisation turns reduction-order noise in near-zero gradients into ~1e-3 parameter differences)
     opt = torch.optim.AdamW(params, lr=1e-3) if args.optim == "adamw" else torch.optim.SGD(params, lr=0.05)
-    from peft.tuners.lora import dora
-
+    if zero:
+        config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": int(args.engine[-1])}, "zero_allow_untested_optimizer": True}
+        model, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    norm_counts = _norm_counts()
     gen = torch.Generator().manual_seed(1)
     losses, counts = [], []
     syncs = []  # host syncs in each step's forward and backward (CUDA only): counted by the sync debug mode
     for step in range(STEPS):
-        dora.norm_counts.clear()
+        norm_counts.clear()
         ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)[rank::world].to(args.device)
         with _counting_syncs(args.device == "cuda" and step > 0, syncs):  # step 0 sets up caches and kernels
             loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            model.backward(loss) if zero else loss.backward()
+        if zero:
+            model.step()  # the optimizer step and zeroing the gradients
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         loss = loss.detach().clone()
         if world > 1:
             dist.all_reduce(loss)
             loss /= world
         loss = loss.cpu()
         losses.append(loss.item())
-        counts.append(dict(dora.norm_counts))
+        counts.append(dict(norm_counts))
     from peft import get_peft_model_state_dict
 
-    full = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
-            for name, t in model.state_dict().items()}  # fmt: skip
+    with _gathered(list(model.parameters())):  # ZeRO-3's partitions gathered (FSDP's DTensors: full_tensor)
+        full = {name.removeprefix("module."): (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu().clone()
+                for name, t in model.state_dict().items()}  # fmt: skip
     unsharded = build(bool(args.dora))  # the gathered state in an unsharded model (FSDP1 renames modules)
     unsharded.load_state_dict(full)
     adapter = get_peft_model_state_dict(unsharded)
@@ -140,8 +159,7 @@ def main() -> int:
 def evaluate(model, world: int) -> dict:
     """Eval forwards before and after in-place edits of every B, then of every magnitude (no optimizer step between,
     so only version counters can tell a kept norm or scale that it is stale), and once more (reused)."""
-    from peft.tuners.lora import dora
-
+    norm_counts = _norm_counts()
     model.eval()
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
     ids = ids.to(next(model.parameters()).device)
@@ -149,11 +167,29 @@ def evaluate(model, world: int) -> dict:
     for edited, factor in (("lora_B", 1.5), ("lora_magnitude_vector", 0.75), (None, 1.0)):
         for name, param in model.named_parameters():
             if edited is not None and edited in name:
-                param.mul_(factor)
-        dora.norm_counts.clear()
+                with _gathered([param], modifier_rank=0):
+                    param.mul_(factor)
+        norm_counts.clear()
         logits.append(model(input_ids=ids).logits.float().cpu())
-        counts.append(dict(dora.norm_counts))
+        counts.append(dict(norm_counts))
     return {"logits": logits, "counts": counts}
+
+
+def _norm_counts() -> collections.Counter:
+    """Our DoRA's norm counters (upstream's DoRA, which the DeepSpeed test runs too, has none: an empty stand-in)."""
+    from peft.tuners.lora import dora
+
+    return getattr(dora, "norm_counts", collections.Counter())
+
+
+def _gathered(params: list, modifier_rank=None):
+    """DeepSpeed ZeRO-3's partitioned parameters gathered whole inside (an edit by ``modifier_rank`` partitioned
+    again on exit); nothing to do for others."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
 
 
 @contextlib.contextmanager
