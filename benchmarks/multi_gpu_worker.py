@@ -65,24 +65,36 @@ def shard_fsdp1(model, spec: dict, mesh):
     )
 
 
-def _not_implemented(name: str, how: str):
-    def shard(model, spec: dict, mesh) -> None:
-        raise NotImplementedError(f"engine {name!r} is not implemented yet ({how}); only fsdp2 runs")
-
-    return shard
+def shard_later(model, spec: dict, mesh) -> None:
+    """DeepSpeed ZeRO: nothing yet; :func:`deepspeed_engine` wraps the model and its optimizer together."""
 
 
-# Extension point: an engine is ``shard(model, spec, mesh)``, called after the adapters are seeded and cast and
-# gradient checkpointing is on; it shards in place (None) or returns the wrapper to train, and the optimizer is built
-# on the parameters it leaves. The launcher refuses the rest.
+def deepspeed_engine(model, opt, spec: dict):
+    """(engine, optimizer) of ``deepspeed.initialize`` for ZeRO stage 2 or 3 with the run's torch AdamW (no DeepSpeed
+    op to build), bf16 on GPUs (fp32 master weights in ZeRO's optimizer, as DeepSpeed runs bf16), fp32 on CPU."""
+    import deepspeed
+
+    cuda = spec["device"].startswith("cuda")
+    config = {
+        "train_micro_batch_size_per_gpu": spec["batch"],
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": int(spec["engine"][-1])},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": cuda},
+    }
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine, opt
+
+
+# An engine is ``shard(model, spec, mesh)``, called after the adapters are seeded and cast and gradient checkpointing
+# is on; it shards in place (None) or returns the wrapper to train, and the optimizer is built on the parameters it
+# leaves (DeepSpeed's engines then wrap model and optimizer together, ``deepspeed_engine``).
 ENGINES = {
     "fsdp2": shard_fsdp2,
     "fsdp1": shard_fsdp1,
-    "zero2": _not_implemented("zero2", "DeepSpeed ZeRO stage 2 through accelerate"),
-    "zero3": _not_implemented("zero3", "DeepSpeed ZeRO stage 3 through accelerate"),
+    "zero2": shard_later,
+    "zero3": shard_later,
 }
-IMPLEMENTED_ENGINES = ("fsdp2", "fsdp1")
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Gradient proof over shards.
@@ -110,6 +122,19 @@ def global_grads(named_params: list) -> list:
         world = dist.get_world_size()
     return [(n, types.SimpleNamespace(grad=None if miss >= world else sq.sqrt())) for (n, _), (sq, miss) in
             zip(named_params, table.cpu())]  # fmt: skip
+
+
+class ZeroGradProof(mw.GradProof):
+    """:class:`model_worker.GradProof` on DeepSpeed's whole fp32 gradients (``safe_get_full_grad``: between backward
+    and the engine's step, a collective under ZeRO-3)."""
+
+    def __call__(self) -> None:
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = [(n, types.SimpleNamespace(grad=safe_get_full_grad(p))) for n, p in self.params]
+        self.last = mw.grad_check(grads)
+        self.steps += 1
+        self.bad += [n for n in self.last["bad"] if n not in self.bad]
 
 
 class ShardedGradProof(mw.GradProof):
@@ -171,27 +196,42 @@ def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, pr
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=spec["lr"])
+    zero = spec["engine"].startswith("zero")
+    if zero:
+        model, opt = deepspeed_engine(model, opt, spec)
     data, losses, counts = iter(batches(spec, world, proc, device)), [], []
     norm_counts = getattr(dora, "norm_counts", None)  # ours only
     seen = [dict(norm_counts or {})]
 
-    def step():
+    def step(proof=None):
         ids = next(data)
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        opt.step()
+        if zero:
+            model.backward(loss)
+            if proof is not None:
+                proof()
+            model.step()  # the optimizer step, and the gradients zeroed
+        else:
+            loss.backward()
+            opt.step()
         losses.append(loss.detach().float())
 
-    proof = ShardedGradProof(model)
+    proof = ZeroGradProof(model) if zero else ShardedGradProof(model)
 
     def after():  # untimed: the gradients of the step just taken (AdamW leaves them), the norm counters' delta
-        proof()
+        if not zero:  # ZeRO's gradients are gone after its step: one proof step after the timed ones
+            proof()
         if norm_counts is not None:
             now = dict(norm_counts)
             counts.append({k: v - seen[-1].get(k, 0) for k, v in now.items() if v != seen[-1].get(k, 0)})
             seen.append(now)
 
-    out = mw.measure(step, device, spec["warmup"], spec["steps"], lambda: opt.zero_grad(set_to_none=True), after)
+    before = (lambda: None) if zero else (lambda: opt.zero_grad(set_to_none=True))
+    out = mw.measure(step, device, spec["warmup"], spec["steps"], before, after)
+    if zero:
+        data = iter(batches(spec, world, proc, device))
+        step(proof)
+        losses.pop()
     times = torch.tensor(out["samples_ms"], dtype=torch.float64, device=device)
     loss = torch.stack(losses).to(torch.float64)
     if dist.is_initialized():
@@ -205,7 +245,10 @@ def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, pr
                peak_delta_mb=None if None in peaks else max(peaks), tiers=out["tiers"],
                norm_counts=counts if norm_counts is not None else None,
                local_ms_per_rank=_gather(out["median_ms"]))  # fmt: skip
-    opt.zero_grad(set_to_none=True)
+    if zero:
+        model.destroy()
+    else:
+        opt.zero_grad(set_to_none=True)
     mw.release(model, opt)
     return rec
 
