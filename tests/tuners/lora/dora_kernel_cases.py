@@ -559,6 +559,38 @@ def test_decode_tier_in_a_model_and_its_fallbacks(dora_switches, dora_env, monke
     assert dora.TIER_DECODE not in tiers
 
 
+def test_dora_caching_keeps_the_decode_tier(dora_switches):
+    """``peft.helpers.DoraCaching`` (upstream's inference speed-up) never costs a faster path: decode steps with it on
+    take the same tier as with it off, reuse the same factors and compute no norm again."""
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+    from peft.helpers import DoraCaching
+    from peft.tuners.lora import dora
+
+    dora_switches(decode_kernels=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
+    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
+    peft_model = get_peft_model(model, config).eval()
+    x = torch.randn(1, 2, 24)
+    runs = {}
+    with torch.no_grad():
+        for caching in (False, True, False):
+            dora.tier_counts.clear()
+            dora.norm_counts.clear()
+            with DoraCaching(enabled=caching):
+                outs = [peft_model(x) for _ in range(3)]
+            runs.setdefault(caching, []).append((outs, dict(dora.tier_counts), dict(dora.norm_counts)))
+    (off, off_tiers, off_norms), (off_again, _, off_again_norms) = runs[False]
+    (on, on_tiers, on_norms) = runs[True][0]
+    assert off_tiers == on_tiers == {dora.TIER_DECODE: 6}
+    assert off_norms.get("norm_computed") == 2 and not on_norms.get("norm_computed")
+    assert not off_again_norms.get("norm_computed")
+    for a, b in zip(off + off_again, on + on):
+        torch.testing.assert_close(a, b)
+
+
 def test_decode_plan_is_reused_and_never_stale(dora_env):
     """A layer keeps its decode launches (DecodePlan) across steps of the same shapes, and builds new ones when its
     factors change (an in-place edit of B, a new magnitude) or the rows do (more tokens, another dtype under
