@@ -164,6 +164,8 @@ def norm_shards(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor
     (the gathered tensors a forward sees); None where it does not (the norm then runs as without FSDP2)."""
     if not _module_state_mapping:  # no composable state at all: the common case costs one check
         return None
+    if any(type(t) is not torch.nn.Parameter for t in (weight, lora_A, lora_B)):
+        return None  # FSDP2 with tensor parallelism gathers DTensors: their rows are not this module's to split
     fps = [fsdp_param(t) for t in (weight, lora_A, lora_B)]
     if any(fp is None for fp in fps):
         return None
