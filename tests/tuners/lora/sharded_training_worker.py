@@ -58,6 +58,7 @@ def main() -> int:
                         "decoder layer (use_orig_params, FULL_SHARD or with --reshard 0 SHARD_GRAD_OP); zero2/zero3: "
                         "DeepSpeed (on CPU its CPU accelerator)")  # fmt: skip
     p.add_argument("--zero-test", type=int, default=0, help="1: check the sharded magnitudes' zero-test prefetch")
+    p.add_argument("--resume", type=int, default=0, help="1: a sharded checkpoint, a detour and a resume mid-run")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -116,12 +117,13 @@ def main() -> int:
         model, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     norm_counts = _norm_counts()
     gen = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)[rank::world] for _ in range(STEPS)]
     losses, counts = [], []
     syncs = []  # host syncs in each step's forward and backward (CUDA only): counted by the sync debug mode
-    for step in range(STEPS):
-        norm_counts.clear()
-        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)[rank::world].to(args.device)
-        with _counting_syncs(args.device == "cuda" and step > 0, syncs):  # step 0 sets up caches and kernels
+
+    def train_step(ids: torch.Tensor, count_syncs: bool) -> float:
+        ids = ids.to(args.device)
+        with _counting_syncs(count_syncs, syncs):
             loss = model(input_ids=ids, labels=ids).loss
             model.backward(loss) if zero else loss.backward()
         if zero:
@@ -133,8 +135,18 @@ def main() -> int:
         if world > 1:
             dist.all_reduce(loss)
             loss /= world
-        loss = loss.cpu()
-        losses.append(loss.item())
+        return loss.cpu().item()
+
+    for step in range(STEPS):
+        if args.resume and step == STEPS // 2:
+            # save (torch.distributed.checkpoint, sharded), train on other data, load into the live model and
+            # optimizer, go on: the next losses must be those of the run without the detour
+            _checkpoint(model, opt, args.out + ".ckpt", save=True)
+            for ids in data[:3]:
+                train_step(ids.flip(1), False)
+            _checkpoint(model, opt, args.out + ".ckpt", save=False)
+        norm_counts.clear()
+        losses.append(train_step(data[step], args.device == "cuda" and step > 0))  # step 0 sets up caches, kernels
         counts.append(dict(norm_counts))
     from peft import get_peft_model_state_dict
 
@@ -173,6 +185,21 @@ def evaluate(model, world: int) -> dict:
         logits.append(model(input_ids=ids).logits.float().cpu())
         counts.append(dict(norm_counts))
     return {"logits": logits, "counts": counts}
+
+
+def _checkpoint(model, opt, path: str, save: bool) -> None:
+    """Save or load the sharded model and optimizer state with ``torch.distributed.checkpoint`` (every rank its own
+    shards), loading into the live model and optimizer as a resumed run does."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    if save:
+        dcp.save(state, checkpoint_id=path)
+        return
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _norm_counts() -> collections.Counter:

@@ -154,3 +154,14 @@ def test_fsdp2_magnitude_zero_test_started_by_the_step_hook(tmp_path):
     assert answers == [False] * MODULES and reads == 0  # one test for all magnitudes: a zero anywhere counts
     answers, reads = out["after_other_optimizer"]  # a step of any optimizer ends every kept answer: asked again
     assert answers == [i != 3 for i in range(MODULES)] and reads == MODULES
+
+
+def test_fsdp2_resume_from_a_sharded_checkpoint(tmp_path):
+    """Mid-run, a sharded checkpoint (``torch.distributed.checkpoint``, model and AdamW state), three steps on other
+    data, then the checkpoint loaded into the live model and optimizer: the next losses are the uninterrupted run's.
+    Loading writes the shards behind every kept norm and ``‖W‖²``, which must then be computed again."""
+    flags = ("--optim", "adamw", "--checkpointing", "1")
+    resumed = _train(tmp_path, 2, *flags, "--resume", "1")
+    straight = _train(tmp_path, 2, *flags)
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"]), rtol=0, atol=1e-6)
+    assert resumed["counts"][10].get("w_sq_computed") == MODULES  # the load wrote W's shards: ||W||^2 again
