@@ -116,6 +116,7 @@ def main() -> int:
                   "zero_optimization": {"stage": int(args.engine[-1])}, "zero_allow_untested_optimizer": True}
         model, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     norm_counts = _norm_counts()
+    zero_tests = _count_zero_tests()
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)[rank::world] for _ in range(STEPS)]
     losses, counts = [], []
@@ -146,8 +147,9 @@ def main() -> int:
                 train_step(ids.flip(1), False)
             _checkpoint(model, opt, args.out + ".ckpt", save=False)
         norm_counts.clear()
+        zero_tests["calls"] = 0
         losses.append(train_step(data[step], args.device == "cuda" and step > 0))  # step 0 sets up caches, kernels
-        counts.append(dict(norm_counts))
+        counts.append(dict(norm_counts, zero_tests=zero_tests["calls"], **_tiers()))
     from peft import get_peft_model_state_dict
 
     with _gathered(list(model.parameters())):  # ZeRO-3's partitions gathered (FSDP's DTensors: full_tensor)
@@ -200,6 +202,36 @@ def _checkpoint(model, opt, path: str, save: bool) -> None:
         return
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _count_zero_tests() -> dict:
+    """Count the magnitudes' zero tests (ours: ``dora_cache._has_zero``, looked up at each call), whether run by the
+    optimizer-step hook or on the host by a training node that found no answer."""
+    counter = {"calls": 0}
+    try:
+        from peft.tuners.lora import dora_cache
+    except ImportError:  # upstream
+        return counter
+    has_zero = dora_cache._has_zero
+
+    def counted(*magnitudes):
+        counter["calls"] += 1
+        return has_zero(*magnitudes)
+
+    dora_cache._has_zero = counted
+    return counter
+
+
+def _tiers() -> dict:
+    """Our DoRA's compositions per tier since the last call (none under upstream)."""
+    from peft.tuners.lora import dora
+
+    tiers = getattr(dora, "tier_counts", None)
+    if tiers is None:
+        return {}
+    out = {f"tier_{k}": v for k, v in tiers.items()}
+    tiers.clear()
+    return out
 
 
 def _norm_counts() -> collections.Counter:

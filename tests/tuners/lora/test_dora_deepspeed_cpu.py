@@ -24,7 +24,7 @@ def test_deepspeed_training_equals_upstream(tmp_path, upstream_env, engine):  # 
     upstream = _train(tmp_path, 2, *flags, env=upstream_env[1])
     single = _train(tmp_path, 1, "--optim", "sgd")
     assert ours["fsdp"] == engine and ours["world"] == 2 and len(ours["losses"]) == 20
-    assert not upstream["counts"][0] and ours["counts"][0].get("norm_computed")  # upstream's DoRA, and ours
+    assert "norm_computed" not in upstream["counts"][0] and ours["counts"][0].get("norm_computed")  # theirs, ours
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(upstream["losses"]), rtol=1e-5, atol=1e-5)
     assert abs(ours["losses"][0] - single["losses"][0]) < 1e-5
     assert sorted(ours["adapter"]) == sorted(upstream["adapter"])

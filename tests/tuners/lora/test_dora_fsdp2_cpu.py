@@ -11,6 +11,7 @@ trained adapter (A, B and the magnitudes) too, which loads into an unsharded mod
 eager tier runs; the fused tiers, zero test and NCCL are ``test_dora_fsdp2_gpu.py``.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,17 @@ def test_fsdp2_resume_from_a_sharded_checkpoint(tmp_path):
     straight = _train(tmp_path, 2, *flags)
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"]), rtol=0, atol=1e-6)
     assert resumed["counts"][10].get("w_sq_computed") == MODULES  # the load wrote W's shards: ||W||^2 again
+
+
+def test_fsdp2_fused_tiers_under_the_interpreter(tmp_path):
+    """The fused tiers (Triton kernels under ``TRITON_INTERPRET=1`` on CPU tensors) under FSDP2: the training nodes
+    with the sharded norm give the single process's losses, and after the first step no node tests its magnitude on
+    the host: the step hook's one test per step is all (``dora_cache._has_zero`` calls counted per step)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    flags = ("--optim", "sgd", "--checkpointing", "1")
+    sharded, single = _train(tmp_path, 2, *flags, env=env), _train(tmp_path, 1, *flags, env=env)
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=1e-5)
+    counts = sharded["counts"]
+    assert all(c.get("tier_fused_backward") == 2 * MODULES for c in counts), counts[:2]  # forward and recompute
+    assert counts[0]["zero_tests"] == MODULES + 1  # the first step: every node asks once (kept for the recompute)
+    assert all(c["zero_tests"] == 1 for c in counts[1:]), [c["zero_tests"] for c in counts]  # the hook's only
