@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_dora_interchange import upstream_env  # noqa: F401  (the fixture: a pure upstream install)
 
 
 HERE = Path(__file__).resolve().parent
@@ -53,7 +54,7 @@ def _build():
     ),
     ids=("sgd-reshard", "sgd-keep-checkpointing", "adamw-reshard", "fsdp1-sgd-checkpointing"),
 )
-def test_fsdp2_training_equals_one_process(tmp_path, engine, optim, reshard, checkpointing):
+def test_fsdp2_training_equals_one_process(tmp_path, request, engine, optim, reshard, checkpointing):
     flags = ("--optim", optim, "--reshard", reshard, "--checkpointing", checkpointing)
     sharded = _train(tmp_path, 2, *flags, "--engine", engine)
     single = _train(tmp_path, 1, *flags)
@@ -88,6 +89,39 @@ def test_fsdp2_training_equals_one_process(tmp_path, engine, optim, reshard, che
         with torch.no_grad():
             outputs.append(model(input_ids=ids).logits)
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-4)
+    if engine == "fsdp2" and reshard == "1":
+        _loads_in_upstream(tmp_path, request.getfixturevalue("upstream_env"), a, ids, outputs[0])
+
+
+UPSTREAM_SIDE = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import peft
+from peft import set_peft_model_state_dict
+from sharded_training_worker import build
+adapter, ids = torch.load(sys.argv[2]), torch.load(sys.argv[3])
+model = build().eval()
+assert not set_peft_model_state_dict(model, adapter).unexpected_keys
+with torch.no_grad():
+    torch.save(model(input_ids=ids).logits, sys.argv[4])
+print(peft.__file__)
+"""
+
+
+def _loads_in_upstream(tmp_path: Path, upstream: tuple, adapter: dict, ids: torch.Tensor, ours: torch.Tensor) -> None:
+    """The adapter trained under FSDP2 (gathered) loads in upstream PEFT 0.21.2 (``upstream``: the pure install of
+    the ``upstream_env`` fixture, run in a subprocess) and gives the logits ours gives with it unsharded."""
+    paths = [tmp_path / name for name in ("adapter.pt", "ids.pt", "logits.pt")]
+    torch.save(adapter, paths[0])
+    torch.save(ids, paths[1])
+    script = tmp_path / "upstream_side.py"
+    script.write_text(UPSTREAM_SIDE)
+    cmd = [sys.executable, str(script), str(HERE), *map(str, paths)]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=upstream[1], timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert Path(run.stdout.strip().splitlines()[-1]).resolve().is_relative_to(upstream[0].resolve())  # upstream's
+    torch.testing.assert_close(torch.load(paths[2]), ours, rtol=1e-4, atol=1e-4)
 
 
 MODULES = 14  # DoRA Linears of the worker's model: 7 projections in each of 2 layers
