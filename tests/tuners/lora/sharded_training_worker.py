@@ -59,6 +59,7 @@ def main() -> int:
                         "DeepSpeed (on CPU its CPU accelerator)")  # fmt: skip
     p.add_argument("--zero-test", type=int, default=0, help="1: check the sharded magnitudes' zero-test prefetch")
     p.add_argument("--resume", type=int, default=0, help="1: a sharded checkpoint, a detour and a resume mid-run")
+    p.add_argument("--b-columns", type=int, default=0, help="1: FSDP2 shards every lora_B over its columns")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -97,9 +98,15 @@ def main() -> int:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(args.device, (world,))
+        kwargs = {"mesh": mesh, "reshard_after_forward": bool(args.reshard)}
+        if args.b_columns:  # B sharded over its columns (r): the norm's rows are no longer split like W's
+            from torch.distributed.tensor import Shard
+
+            b_ids = {id(p) for n, p in model.named_parameters() if "lora_B" in n}
+            kwargs["shard_placement_fn"] = lambda p: Shard(1) if id(p) in b_ids else None
         for layer in model.base_model.model.model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=bool(args.reshard))
-        fully_shard(model, mesh=mesh, reshard_after_forward=bool(args.reshard))
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
     model.train()
     if args.zero_test:
         result = zero_test_check(model, rank)

@@ -214,3 +214,17 @@ def test_fsdp2_fused_tiers_under_the_interpreter(tmp_path):
     assert all(c.get("tier_fused_backward") == 2 * MODULES for c in counts), counts[:2]  # forward and recompute
     assert counts[0]["zero_tests"] == MODULES + 1  # the first step: every node asks once (kept for the recompute)
     assert all(c["zero_tests"] == 1 for c in counts[1:]), [c["zero_tests"] for c in counts]  # the hook's only
+
+
+def test_fsdp2_columns_of_b_take_the_whole_norm(tmp_path):
+    """FSDP2 with B sharded over its columns (``shard_placement_fn``): W's and B's rows no longer split alike, so each
+    rank computes the whole norm of the gathered tensors, still kept on the shards (the recompute reuses it), and the
+    training equals one process's."""
+    flags = ("--optim", "sgd", "--checkpointing", "1")
+    sharded, single = _train(tmp_path, 2, *flags, "--b-columns", "1"), _train(tmp_path, 1, *flags)
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=1e-5)
+    check = sharded["norm_check"]
+    assert check["modules"] == MODULES and check["row_sharded"] == 0 and check["max_rel_err"] <= 1e-6
+    assert all(c["norm_computed"] == c["norm_reused"] == MODULES for c in sharded["counts"]), sharded["counts"][:2]
+    for a, b in zip(sharded["eval"]["logits"], single["eval"]["logits"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
