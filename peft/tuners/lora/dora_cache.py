@@ -295,7 +295,8 @@ class LayerReuse:
 # ---------------------------------------------------------------------------------------------------------------
 
 _zero_watch = WeakIdKeyDictionary()  # CUDA magnitude -> its layer's ``zero_free`` memo, for prefetch_zero_tests
-_shard_watch = WeakIdKeyDictionary()  # FSDP2 sharded magnitude -> (memo, MagnitudeShard), prefetch_shard_zero_tests
+_shard_watch = WeakIdKeyDictionary()  # FSDP2 sharded magnitude -> (memo, local shard, weakref to the gathered copy,
+# shard group), for prefetch_shard_zero_tests
 
 
 def output_saves_itself(magnitude: torch.Tensor, known: Optional[Memo]) -> bool:
@@ -332,7 +333,9 @@ def output_saves_itself(magnitude: torch.Tensor, known: Optional[Memo]) -> bool:
             if not hasattr(magnitude, "ds_id"):
                 _zero_watch[magnitude] = known
         elif isinstance(known, KeyedMemo) and known.shard is not None:
-            _shard_watch[known.shard.param] = (known.memo, known.shard)
+            # weakly, like the key: the watch must not keep a deleted model's gathered magnitude alive
+            shard = known.shard
+            _shard_watch[shard.param] = (known.memo, shard.local, weakref.ref(shard.gathered), shard.group)
     return no_zero
 
 
@@ -401,15 +404,18 @@ def prefetch_shard_zero_tests(optimizer) -> None:
     group, so each rank reaches this collective, in the same order. Magnitudes of other optimizers are left alone."""
     import torch.distributed as dist
 
+    from .dora_dist import magnitude_versions
+
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    batches: dict = {}
-    for param, (memo, shard) in list(_shard_watch.items()):
-        if id(param) in stepped:
-            batches.setdefault((shard.local.device, id(shard.group)), []).append((memo, shard))
-    for watched in batches.values():
-        group = watched[0][1].group
-        has_zero = _has_zero(*(shard.local for _, shard in watched)).to(torch.float32)
+    batches: dict = {}  # (device, group) -> (group, [(memo, local shard, versions)])
+    for param, (memo, local, gathered_ref, group) in list(_shard_watch.items()):
+        gathered = gathered_ref()
+        if id(param) in stepped and gathered is not None:
+            batch = batches.setdefault((local.device, id(group)), (group, []))
+            batch[1].append((memo, local, magnitude_versions(param, gathered)))
+    for group, watched in batches.values():
+        has_zero = _has_zero(*(local for _, local, _ in watched)).to(torch.float32)
         dist.all_reduce(has_zero, op=dist.ReduceOp.MAX, group=group)
         started = _start(has_zero.bool())
-        for memo, shard in watched:
-            memo.put((shard.local,), started, shard.versions())
+        for memo, local, versions in watched:
+            memo.put((local,), started, versions)

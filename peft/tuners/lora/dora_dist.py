@@ -15,13 +15,15 @@
 
 FSDP2 keeps each parameter as a row shard (a DTensor, ``Shard(0)``) and gathers the whole tensor into the same
 ``nn.Parameter`` object for each forward and backward of its layer, freeing the storage in between. A gathered
-tensor's version counter moves with every gather, so a norm keyed on it is never reused; the rank's own shard is a
-persistent tensor that only an optimizer step (or an in-place edit) changes, and the gathered values are a function
-of the shards of all ranks, which step together. :func:`norm_shards` gives those shards as the keys of the norm's
-memos (the checkpoint recompute and eval forwards reuse the norm, a frozen ``W``'s ``‖W‖²`` is kept) and, where W
-and B are both row-sharded on the same group, the rank's rows: each rank computes ``‖W_p + s·B_p·A‖`` of its own
-rows (``‖W_p‖²`` kept, ``W_p·Aᵀ`` with the gathered ``A``, ``B_p·G``) – 1/N of the norm's work – and one all-gather
-of ``d_out`` floats assembles the norm (:func:`gather_rows`).
+tensor comes back at a new address, often, so a norm keyed on it is never reused, and with the same version counter,
+so it would not show an edit of a shard; the rank's own shard is a persistent tensor that only an optimizer step (or
+an in-place edit) changes, and the gathered values are a function of the shards of all ranks, which step together.
+:func:`norm_shards` gives those shards as the keys of the norm's memos (the checkpoint recompute and eval forwards
+reuse the norm, a frozen ``W``'s ``‖W‖²`` is kept) and, where W and B are both row-sharded on the same group, the
+rank's rows: each rank computes ``‖W_p + s·B_p·A‖`` of its own rows (``‖W_p‖²`` kept, ``W_p·Aᵀ`` with the gathered
+``A``, ``B_p·G``) – 1/N of the norm's work – and one all-gather of ``d_out`` floats assembles the norm
+(:func:`gather_rows`). :func:`stand_ins` and :class:`MagnitudeShard` do the same for the scale, the decode factors
+and the magnitude's zero test.
 
 FSDP2 publishes no map from a gathered parameter to its shard; the one private read (its per-module state and
 ``FSDPParam`` objects) is :func:`_index`, and anything it does not find computes the norm as without FSDP2.
@@ -146,7 +148,13 @@ class MagnitudeShard:
     group: object
 
     def versions(self) -> tuple:
-        return (self.param._version, self.gathered._version)  # as NormShards.versions and stand_ins
+        return magnitude_versions(self.param, self.gathered)
+
+
+def magnitude_versions(param: torch.Tensor, gathered: torch.Tensor) -> tuple:
+    """The versions a magnitude's zero test is kept under: the sharded parameter's and the gathered copy's (as
+    :meth:`NormShards.versions` and :func:`stand_ins`)."""
+    return (param._version, gathered._version)
 
 
 def magnitude_shard(magnitude: torch.Tensor) -> Optional[MagnitudeShard]:
