@@ -53,7 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--ours-wheel", help="our built wheel (default: build one from this checkout)")
     p.add_argument("--upstream-wheel", help="the pinned upstream wheel (default: tools/upstream.py fetches it)")
-    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "peft_dora_compare"), help="wheels, installs, JSON")
+    work = str(Path(tempfile.gettempdir()) / "peft_dora_compare")
+    p.add_argument("--work", default=work, help="wheels, installs, JSON")
     return p.parse_args(argv)
 
 
@@ -102,7 +103,8 @@ def report(doc: dict) -> str:
     cfg = doc["config"]
     ck = cfg["model"]["config_kwargs"]
     lines = [
-        f"\n{doc['env'].get('gpu') or 'CPU'}: Llama-like, hidden {ck['hidden_size']}, {ck['num_hidden_layers']} layers, "
+        f"\n{doc['env'].get('gpu') or 'CPU'}: Llama-like, hidden {ck['hidden_size']}, "
+        f"{ck['num_hidden_layers']} layers, "
         f"seq {cfg['model']['seq']}, batch {cfg['model']['batch']}, r = {cfg['ranks'][0]}; median ms",
         f"{'mode':9s}{'measure':9s}{'upstream DoRA':>15s}{'ours':>10s}{'LoRA':>10s}{'ours/LoRA':>11s}"
         f"{'upstream/ours':>15s}",

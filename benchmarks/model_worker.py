@@ -77,8 +77,9 @@ def _delta(before: dict, after: dict) -> dict:
 def tier_counts() -> dict:
     """Our dispatch tiers and norm computations/reuses so far (empty for upstream, which has neither counter), and
     the graphs torch.compile has compiled (``compiled_graphs``; 0 without compile)."""
-    from peft.tuners.lora import dora
     from torch._dynamo.utils import counters
+
+    from peft.tuners.lora import dora
 
     counts = dict(getattr(dora, "tier_counts", {}))
     counts.update(getattr(dora, "norm_counts", {}))
