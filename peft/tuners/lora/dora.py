@@ -368,7 +368,7 @@ class DoraLinearLayer(nn.Module):
                 w_sq = None
                 if not weight.requires_grad and dora_norm.w_sq_reusable(w_rows, lora_A, b_rows):
                     w_sq = memoised(reuse.w_sq, "any", "w_sq", shards.keys[:1], lambda: row_sq_norm(w_rows),
-                                    extra=(weight.dtype, shards.versions()[0]))  # fmt: skip
+                                    extra=(weight.dtype, shards.versions()[:2]))  # fmt: skip
                 part = factored_row_norm(w_rows, lora_A, b_rows, scaling, w_sq=w_sq)
             return dora_dist.gather_rows(part, shards, weight.shape[0])
 

@@ -404,7 +404,7 @@ def prefetch_shard_zero_tests(optimizer) -> None:
     group, so each rank reaches this collective, in the same order. Magnitudes of other optimizers are left alone."""
     import torch.distributed as dist
 
-    from .dora_dist import magnitude_versions
+    from .dora_dist import shard_versions
 
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     batches: dict = {}  # (device, group) -> (group, [(memo, local shard, versions)])
@@ -412,7 +412,7 @@ def prefetch_shard_zero_tests(optimizer) -> None:
         gathered = gathered_ref()
         if id(param) in stepped and gathered is not None:
             batch = batches.setdefault((local.device, id(group)), (group, []))
-            batch[1].append((memo, local, magnitude_versions(param, gathered)))
+            batch[1].append((memo, local, shard_versions(param, gathered)))
     for group, watched in batches.values():
         has_zero = _has_zero(*(local for _, local, _ in watched)).to(torch.float32)
         dist.all_reduce(has_zero, op=dist.ReduceOp.MAX, group=group)

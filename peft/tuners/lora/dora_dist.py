@@ -63,7 +63,13 @@ class NormShards:
         the DTensor's own counter moves (writes to the local tensor itself, as FSDP2's state-dict loading does, move
         the local one, part of the memo's key). With ``reshard_after_forward=False`` an edit between eval forwards
         reaches the gathered copy only (FSDP2 gathers it again only after a reshard)."""
-        return tuple(p._version for p in self.params) + tuple(t._version for t in self.gathered)
+        return sum((shard_versions(p, t) for p, t in zip(self.params, self.gathered)), ())
+
+
+def shard_versions(param: torch.Tensor, gathered: torch.Tensor) -> tuple:
+    """The version counters that, beside the local shard, key a value computed from a gathered tensor: the sharded
+    parameter's (DTensor) and the gathered copy's (see :meth:`NormShards.versions`)."""
+    return (param._version, gathered._version)
 
 
 _MISSING = object()
@@ -118,10 +124,9 @@ def _row_group(fp):
 
 def stand_ins(tensors) -> Optional[tuple]:
     """``(keys, versions)`` for memos of values computed from ``tensors`` where some of them are FSDP2-gathered:
-    each gathered tensor replaced by the rank's local shard, with the sharded parameters' versions (see
-    :meth:`NormShards.versions`); None where none is (the tensors key the memo themselves). A gathered tensor's
-    own version counter and storage do not show an edit of its shard: FSDP2 gathers into the same parameter object,
-    often at the same address, without always moving its version."""
+    each gathered tensor replaced by the rank's local shard, with :func:`shard_versions`; None where none is (the
+    tensors key the memo themselves). A gathered tensor's own address and version counter do not stand for its
+    values (see the module's docstring)."""
     if not _module_state_mapping:
         return None
     keys, versions, found = [], [], False
@@ -132,7 +137,7 @@ def stand_ins(tensors) -> Optional[tuple]:
             keys.append(t)
         else:
             keys.append(local)
-            versions += (fp.sharded_param._version, t._version)  # as NormShards.versions
+            versions += shard_versions(fp.sharded_param, t)
             found = True
     return (tuple(keys), tuple(versions)) if found else None
 
@@ -148,13 +153,7 @@ class MagnitudeShard:
     group: object
 
     def versions(self) -> tuple:
-        return magnitude_versions(self.param, self.gathered)
-
-
-def magnitude_versions(param: torch.Tensor, gathered: torch.Tensor) -> tuple:
-    """The versions a magnitude's zero test is kept under: the sharded parameter's and the gathered copy's (as
-    :meth:`NormShards.versions` and :func:`stand_ins`)."""
-    return (param._version, gathered._version)
+        return shard_versions(self.param, self.gathered)
 
 
 def magnitude_shard(magnitude: torch.Tensor) -> Optional[MagnitudeShard]:
