@@ -215,8 +215,11 @@ def parse_args(argv=None):
         help=f"comma list of {', '.join(IMPLS)} (default {','.join(DEFAULT_IMPLS)}; grid {','.join(GRID_IMPLS)})",
     )
     a("--modes", default=",".join(MODES), help="comma list of autocast, bf16")
-    a("--measures", help=f"comma list of {', '.join(MEASURES + EXTRA_MEASURES)} (default: all but the opt-in "
-      f"{', '.join(EXTRA_MEASURES)}; with --compile {', '.join(COMPILED_MEASURES)})")
+    a(
+        "--measures",
+        help=f"comma list of {', '.join(MEASURES + EXTRA_MEASURES)} (default: all but the opt-in "
+        f"{', '.join(EXTRA_MEASURES)}; with --compile {', '.join(COMPILED_MEASURES)})",
+    )
     a("--tasks", help=f"comma list of {', '.join(TASKS)} (default speed,fidelity,convergence; grid: speed only)")
     a("--profile", action="store_true", help="add the profile task (ours fused vs plain LoRA, one training step)")
     a("--profile-impls", default="ours_fused,lora")
@@ -932,9 +935,7 @@ def compiled_headline_values(doc: dict) -> dict:
     recompiles = None
     ours = [r for r in doc.get("speed", []) if r["impl"] == "ours_fused"]
     if ours:
-        recompiles = sum(
-            (x.get("tiers") or {}).get("compiled_graphs", 0) for r in ours for x in r.get("rounds") or [r]
-        )
+        recompiles = sum((x.get("tiers") or {}).get("compiled_graphs", 0) for r in ours for x in r.get("rounds") or [r])
     return {
         "compiled_dora_over_lora_train": worst(max, "ours_fused", "lora", "train"),
         "compiled_dora_over_lora_infer": worst(max, "ours_fused", "lora", "infer"),

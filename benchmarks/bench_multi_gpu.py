@@ -16,6 +16,11 @@ batch, the same for every implementation, so losses compare. Per step: time (CUD
 loss (mean over processes), the gradient proof (every trainable tensor's whole gradient finite and non-zero), our
 norm counters; per process the peak memory over static.
 
+Two references of ours follow the timed rounds, each a launch of its own: ``single`` trains in one process
+(``--nproc_per_node 1``) with no engine on the whole global batch, the same rows, so the engine's per-step losses
+must match its losses (``--no-single`` skips it); ``norm_check`` (FSDP2 only) shards an all-fp32 model as the run
+does and compares every DoRA Linear's sharded norm with the whole one (``--no-norm-check`` skips it).
+
     python benchmarks/bench_multi_gpu.py --plan                       # what would run, estimated seconds
     python benchmarks/bench_multi_gpu.py --engine fsdp2 --nproc 2 --shape 8b --ranks 16,128 --precision bf16
     python benchmarks/bench_multi_gpu.py --device cpu --shape tiny --nproc 2 --ranks 4 --seq 16 --steps 2 \\
@@ -49,6 +54,7 @@ IMPLS = {  # name: (wheel, is our DoRA's package, use_dora)
     "lora": {"wheel": "ours", "ours": True, "dora": False},
 }
 DORA = ("ours", "upstream")
+REFERENCES = ("single", "norm_check")  # launches of ours that check the run, not timed (job_spec)
 LLAMA = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
          "initializer_range": 0.02}  # fmt: skip
 SHAPES = {
@@ -96,6 +102,8 @@ def parse_args(argv=None):
       help="merge the headline keys into PATH (default results/headline.json); GPU runs only")  # fmt: skip
     a("--timeout-s", type=float, default=600.0, help="per launch; the launch's process group is killed after it")
     a("--deadline-min", type=float, help="start no launch after this many minutes (skipped launches are listed)")
+    a("--no-single", action="store_true", help="skip the single-process reference (ours, no engine, global batch)")
+    a("--no-norm-check", action="store_true", help="skip FSDP2's sharded-norm check (ours, all fp32, first rank)")
     a("--plan", action="store_true", help="print what would run and the estimated seconds, then stop")
     return p.parse_args(argv)
 
@@ -105,6 +113,7 @@ def resolve_config(args) -> dict:
     layers = args.layers if args.layers is not None else (2 if args.shape == "tiny" else 4)
     kwargs = dict(LLAMA, **SHAPES[args.shape], num_hidden_layers=layers)
     gpu = args.device.startswith("cuda")
+    wanted = {"single": not args.no_single, "norm_check": not args.no_norm_check and args.engine == "fsdp2"}
     return {
         "engine": args.engine,
         "nproc": args.nproc,
@@ -137,14 +146,30 @@ def resolve_config(args) -> dict:
             "optimizer": "AdamW",
             "loss": "every token, labels = input_ids",
         },  # fmt: skip
-        "launch": "one torchrun launch per (impl, round), every rank inside it",
+        "references": [r for r in REFERENCES if wanted[r] and "ours" in impls],
+        "launch": "one torchrun launch per (impl, round), every rank inside it; then one per reference",
     }
 
 
 def plan_jobs(cfg: dict) -> list:
-    """One launch per (round, impl), in ``bench_model._rounds``' interleaved order."""
+    """One launch per (round, impl), in ``bench_model._rounds``' interleaved order; then one per reference, last, so
+    that a deadline cuts the checks before the timings."""
     order = bench_model._rounds({"impls": cfg["impls"], "rounds": cfg["rounds"]})
-    return [{"impl": impl, "round": k} for k, impl in order]
+    return [{"impl": impl, "round": k} for k, impl in order] + [{"impl": r, "round": 0} for r in cfg["references"]]
+
+
+def job_spec(cfg: dict, job: dict) -> dict:
+    """What a launch's worker runs (:func:`launch` adds the install and the result file). A reference runs ours:
+    ``single`` in one process on the global batch (``batches`` with one process yields all its rows), ``norm_check``
+    on the first rank with every tensor fp32, so that no rounding hides a wrong row."""
+    name = job["impl"]
+    impl = dict(IMPLS.get(name, IMPLS["ours"]), name=name)
+    spec = dict(cfg, task=name if name in REFERENCES else "train", impl=impl, round=job["round"])
+    if name == "single":
+        spec.update(nproc=1, batch=cfg["global_batch"])
+    elif name == "norm_check":
+        spec.update(precision="fp32", ranks=cfg["ranks"][:1])
+    return spec
 
 
 # A rough cost model: it only has to tell whether a plan fits a 10-minute device call. FLOPs per process at
@@ -153,35 +178,40 @@ def plan_jobs(cfg: dict) -> list:
 LAUNCH_S = 35.0  # torchrun, imports, CUDA contexts, NCCL rendezvous
 BUILD_S_PER_GB = 0.5  # random init on the GPU, the wrap and fully_shard, per GB of model in the parameter dtype
 CPU_LAUNCH_S = 10.0  # the tiny CPU smoke: process starts and imports dominate
+FP32_SLOWDOWN = 8.0  # the norm check's fp32 matmuls (no TF32): H100's fp32 rate is ~1/15 of bf16's peak
 
 
 def estimate_s(cfg: dict, job: dict) -> float:
+    spec = job_spec(cfg, job)
     if cfg["device"] == "cpu":
-        return CPU_LAUNCH_S + len(cfg["ranks"]) * 2.0
+        return CPU_LAUNCH_S + len(spec["ranks"]) * 2.0
     ck = cfg["model"]["config_kwargs"]
-    gb = bench_model.weights(ck) * (2 if cfg["precision"] == "bf16" else 4) / 1e9
+    gb = bench_model.weights(ck) * (2 if spec["precision"] == "bf16" else 4) / 1e9
+    norm_check = spec["task"] == "norm_check"
+    steps = 1 if norm_check else spec["warmup"] + spec["steps"]
     total = LAUNCH_S
-    for rank in cfg["ranks"]:
+    for rank in spec["ranks"]:
         upstream = job["impl"] == "upstream"
-        flops, dense = bench_model.forward_flops(ck, cfg["batch"], cfg["seq"], rank, upstream=upstream)
-        step_s = 4 * (flops + dense) / bench_model.EFFECTIVE_FLOPS
-        total += BUILD_S_PER_GB * gb + (cfg["warmup"] + cfg["steps"]) * step_s
+        flops, dense = bench_model.forward_flops(ck, spec["batch"], cfg["seq"], rank, upstream=upstream)
+        step_s = 4 * (flops + dense) / bench_model.EFFECTIVE_FLOPS * (FP32_SLOWDOWN if norm_check else 1)
+        total += BUILD_S_PER_GB * gb + steps * step_s
     return total
 
 
 def print_plan(cfg: dict, jobs: list) -> float:
     ck = cfg["model"]["config_kwargs"]
     print(
-        f"plan: {len(jobs)} launches of {cfg['nproc']} processes ({cfg['engine']}, {cfg['backend']}) on "
+        f"plan: {len(jobs)} launches (xN: N processes; {cfg['engine']}, {cfg['backend']}) on "
         f"{cfg['device']}: shape {cfg['shape']} (hidden {ck['hidden_size']}, {ck['num_hidden_layers']} layers), "
         f"ranks {cfg['ranks']}, seq {cfg['seq']} x batch {cfg['batch']} per process, {cfg['precision']}, "
         f"reshard {cfg['reshard']}, {cfg['warmup']}+{cfg['steps']} steps"
     )
     total = 0.0
     for j in jobs:
-        s = estimate_s(cfg, j)
+        s, spec = estimate_s(cfg, j), job_spec(cfg, j)
         total += s
-        print(f"  round {j['round']} {j['impl']:9s} ranks {','.join(map(str, cfg['ranks']))}  ~{s:4.0f} s")
+        print(f"  round {j['round']} {j['impl']:10s} x{spec['nproc']} ranks {','.join(map(str, spec['ranks']))} "
+              f"batch {spec['batch']} {spec['precision']}  ~{s:4.0f} s")  # fmt: skip
     print(f"estimated ~{total:.0f} s ({total / 60:.1f} min; a rough FLOP/launch model: estimate_s)")
     return total
 
@@ -248,11 +278,11 @@ def launch(cfg: dict, job: dict, target: Path, workdir: Path, timeout: float) ->
     result = workdir / f"result_{tag}.json"
     for old in [result, *workdir.glob(f"result_{tag}.rank*.err")]:
         old.unlink(missing_ok=True)
-    spec = dict(cfg, impl=dict(IMPLS[job["impl"]], name=job["impl"], target=str(target)), round=job["round"],
-                result=str(result))  # fmt: skip
+    spec = job_spec(cfg, job)
+    spec["impl"]["target"], spec["result"] = str(target), str(result)
     spec_path = workdir / f"spec_{tag}.json"
     spec_path.write_text(json.dumps(spec, indent=1))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg['nproc']}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={spec['nproc']}",
            str(WORKER), str(spec_path)]  # fmt: skip
     print(f"--- {tag}: starting", flush=True)
     t0 = time.perf_counter()
@@ -291,20 +321,21 @@ def _peak(doc: dict, impl: str, rank: int):
     return None if not peaks or None in peaks else max(peaks)
 
 
-def _loss_diff(doc: dict, impl: str, rank: int):
-    """Largest |loss − upstream's loss| over steps, each round against upstream's round 0."""
-    ref = [r for r in doc["records"] if (r["impl"], r["rank"]) == ("upstream", rank)]
+def _loss_diff(doc: dict, impl: str, rank: int, ref: str = "upstream"):
+    """Largest |loss − ``ref``'s loss| over steps, each round against ``ref``'s round 0."""
+    refs = [r for r in doc["records"] if (r["impl"], r["rank"]) == (ref, rank)]
     recs = [r for r in doc["records"] if (r["impl"], r["rank"]) == (impl, rank)]
-    if not ref or not recs:
+    if not refs or not recs:
         return None
-    ref = min(ref, key=lambda r: r["round"])["losses"]
-    return max(abs(a - b) for r in recs for a, b in zip(r["losses"], ref))
+    base = min(refs, key=lambda r: r["round"])["losses"]
+    return max(abs(a - b) for r in recs for a, b in zip(r["losses"], base))
 
 
 def summarize(doc: dict) -> list:
     """One row per rank: median step ms per impl, DoRA/LoRA per DoRA impl and upstream/ours (medians of per-round
     ratios; None where a record is missing or failed its gradient proof), peak over static and its delta over LoRA
-    in % (largest process, largest round), step-0 loss and the largest |loss diff| vs upstream."""
+    in % (largest process, largest round), step-0 loss and the largest |loss diff| vs upstream, and ours' vs the
+    single-process reference (None where it did not run)."""
     view, cfg, rows = speed_view(doc), doc["config"], []
     mode = cfg["precision"]
     for rank in cfg["ranks"]:
@@ -319,26 +350,34 @@ def summarize(doc: dict) -> list:
             "speedup_vs_upstream": bench_model.time_ratio(view, "upstream", "ours", mode, "train", rank),
             "peak_delta_mb": peak, "peak_delta_over_lora_pct": over, "step0_loss": step0,
             "loss_max_abs_diff_vs_upstream": {i: _loss_diff(doc, i, rank) for i in cfg["impls"] if i != "upstream"},
+            "loss_max_abs_diff_vs_single_gpu": _loss_diff(doc, "ours", rank, "single"),
             "proof_ok": {i: all(bench_model.proof_ok(r) for r in view["speed"] if (r["impl"], r["rank"]) == (i, rank))
                          for i in cfg["impls"]},
         })  # fmt: skip
     return rows
 
 
-def _worst(values: list, pick):
-    return None if not values or None in values else round(pick(values), 4)
+def _worst(values: list, pick, spec=".4f"):
+    return None if not values or None in values else float(format(pick(values), spec))
 
 
 def headline_values(doc: dict) -> dict:
     """The worst case over ranks: ours' DoRA/LoRA step time (largest), ours' speed-up over upstream (smallest),
-    ours' peak over LoRA's in % (largest); None where a rank lacks the value."""
+    ours' peak over LoRA's in % (largest); None where a rank lacks the value. Where the references ran: ours'
+    largest |loss − single-process loss| and the sharded norm's largest relative error (FSDP2)."""
     rows, engine = summarize(doc), doc["config"]["engine"]
-    peak_key = "multi_gpu_" + ("" if engine == "fsdp2" else f"{engine}_") + "peak_delta_over_lora_pct"
-    return {
+    prefix = "multi_gpu_" + ("" if engine == "fsdp2" else f"{engine}_")
+    out = {
         f"{engine}_dora_over_lora_train": _worst([r["dora_over_lora"]["ours"] for r in rows], max),
         f"{engine}_train_speedup_vs_upstream": _worst([r["speedup_vs_upstream"] for r in rows], min),
-        peak_key: _worst([r["peak_delta_over_lora_pct"]["ours"] for r in rows], max),
+        prefix + "peak_delta_over_lora_pct": _worst([r["peak_delta_over_lora_pct"]["ours"] for r in rows], max),
     }
+    if any(r["impl"] == "single" for r in doc["records"]):
+        diffs = [r["loss_max_abs_diff_vs_single_gpu"] for r in rows]
+        out[prefix + "loss_max_abs_diff_vs_single_gpu"] = _worst(diffs, max, ".3g")
+    if doc.get("norm_check"):
+        out["sharded_norm_rel_err_vs_unsharded"] = float(format(doc["norm_check"]["max_rel_err"], ".3g"))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -362,15 +401,22 @@ def print_table(doc: dict) -> None:
     impls = doc["config"]["impls"]
     print(f"\n== {doc['kind']} {doc['config']['engine']} x{doc['config']['nproc']} on {doc['env'].get('gpu')}: step ms "
           "per impl, DoRA/LoRA (ours, upstream), speed-up upstream/ours, peak over LoRA % (ours, upstream), "
-          "max |loss - upstream| ==")  # fmt: skip
+          "max |loss - upstream|, max |ours - single| ==")  # fmt: skip
     for r in summarize(doc):
         ms = " ".join(f"{i} {_f(r['step_ms'][i], '.1f')}" for i in impls)
         ratio = " ".join(_f(r["dora_over_lora"][i]) for i in DORA)
         peak = " ".join(_f(r["peak_delta_over_lora_pct"][i], "+.1f") for i in DORA)
         diff = " ".join(f"{i} {_f(v, '.2e')}" for i, v in r["loss_max_abs_diff_vs_upstream"].items())
         proof = "" if all(r["proof_ok"].values()) else f"  PROOF FAILED {r['proof_ok']}"
+        single = _f(r["loss_max_abs_diff_vs_single_gpu"], ".2e")
         print(f"r={r['rank']:<4d} {ms} | {ratio} | x {_f(r['speedup_vs_upstream'], '.2f')} | peak {peak} | "
-              f"{diff}{proof}")  # fmt: skip
+              f"{diff} | single {single}{proof}")  # fmt: skip
+    if doc.get("norm_check"):
+        n = doc["norm_check"]
+        print(
+            f"norm check (fsdp2, {n['precision']}, r={n['rank']}): sharded vs whole norm, max rel err "
+            f"{n['max_rel_err']:.2e} over {n['modules']} DoRA Linears per process, {n['row_sharded']} row-sharded"
+        )
     for e in doc["errors"]:
         print(f"ERROR {e['impl']} round {e['round']}: {e['error'].strip().splitlines()[-1]}")
     for s in doc["skipped"]:
@@ -436,7 +482,9 @@ def run(args, argv: list) -> int:
         if args.deadline_min is not None and time.time() - t_start > 60 * args.deadline_min:
             doc["skipped"].append(dict(job, why="deadline"))
             continue
-        result = launch(cfg, job, targets[IMPLS[job["impl"]]["wheel"]], workdir, args.timeout_s)
+        result = launch(cfg, job, targets[job_spec(cfg, job)["impl"]["wheel"]], workdir, args.timeout_s)
+        if "norm_check" in result:
+            doc["norm_check"] = result["norm_check"]
         if "info" in result:
             doc["env"].update({k: v for k, v in result["info"].pop("env").items() if v is not None})
             doc["impls"][job["impl"]] = result["info"]

@@ -526,9 +526,7 @@ def task_speed(spec, impl, cfg, device, records: list, flush) -> list:
             model = wrap(base, cfg, rank, impl, mode)
             seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
             compile_mode = spec.get("compile")
-            res = speed_rank(
-                model, cfg, mode, device, spec["measures"], spec["warmup"], spec["repeats"], compile_mode
-            )
+            res = speed_rank(model, cfg, mode, device, spec["measures"], spec["warmup"], spec["repeats"], compile_mode)
             for measure_name, r in res.items():
                 records.append({"impl": impl["name"], "mode": mode, "rank": rank, "measure": measure_name, **r})
                 if compile_mode is not None:

@@ -7,7 +7,10 @@ projections, seeds the adapters (``model_worker.seed_adapters``), shards it with
 ``warmup + steps`` steps on its rows of a seeded global batch, timed by ``model_worker.measure``. This module owns
 the engines (the sharding), the distributed gradient proof and the per-step collectives (loss mean, step time max,
 peak memory per rank); rank 0 writes the result file after every rank, and a failing process writes
-``RESULT.rankN.err``.
+``RESULT.rankN.err``. Two references of ours run through the same worker (the spec's ``task``): ``single`` trains
+in one process on the whole global batch with no engine, so its losses are the ones the engine's run must match;
+``norm_check`` shards an all-fp32 model with FSDP2 and compares each DoRA Linear's sharded norm with the whole one
+(:func:`check_norms`).
 
 Nothing here imports from the repository root: the script directory is ``sys.path[0]``, so the overlay tree there
 cannot shadow the installed package the parent put first on ``PYTHONPATH``.
@@ -188,15 +191,20 @@ def _gather(value) -> list:
 
 def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, proc: int) -> dict:
     """One (impl, rank) record: per-step time (the slowest process's), per-step loss (mean over processes), peak over
-    static per process, the gradient proof of every step, and for ours the norm counters per step and the tiers."""
+    static per process, the gradient proof of every step, and for ours the norm counters per step and the tiers.
+    The ``single`` reference trains the plain model (no engine); ``mp`` there is fp32 parameters under
+    ``torch.autocast(bfloat16)``, the nearest unsharded twin of the engines' bf16 compute."""
     from peft.tuners.lora import dora
 
+    single = spec["task"] == "single"
     model = build(spec, rank, device)
-    model = ENGINES[spec["engine"]](model, spec, mesh) or model
+    if not single:
+        model = ENGINES[spec["engine"]](model, spec, mesh) or model
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=spec["lr"])
-    zero = spec["engine"].startswith("zero")
+    zero = not single and spec["engine"].startswith("zero")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=single and spec["precision"] == "mp")
     if zero:
         model, opt = deepspeed_engine(model, opt, spec)
     data, losses, counts = iter(batches(spec, world, proc, device)), [], []
@@ -205,7 +213,8 @@ def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, pr
 
     def step(proof=None):
         ids = next(data)
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        with autocast:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         if zero:
             model.backward(loss)
             if proof is not None:
@@ -253,6 +262,47 @@ def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, pr
     return rec
 
 
+@torch.no_grad()
+def check_norms(model) -> dict:
+    """Each DoRA Linear's norm under FSDP2 (this rank's rows, gathered) against the whole norm of the gathered
+    tensors, with the layer unsharded through FSDP2's public ``unshard``/``reshard``; the worst over processes."""
+    from peft.tuners.lora import dora, dora_dist
+    from peft.tuners.lora.layer import Linear
+
+    worst, row_sharded, modules = 0.0, 0, 0
+    for layer in model.base_model.model.model.layers:
+        layer.unshard()
+        for module in layer.modules():
+            if not isinstance(module, Linear) or "default" not in module.lora_magnitude_vector:
+                continue
+            weight = module.get_base_layer().weight
+            lora_A, lora_B = module.lora_A["default"].weight, module.lora_B["default"].weight
+            scaling = module.scaling["default"]
+            shards = dora_dist.norm_shards(weight, lora_A, lora_B)
+            row_sharded += shards is not None and shards.group is not None
+            dora.invalidate_norm_caches()
+            sharded = module.lora_magnitude_vector["default"]._forward_norm(weight, lora_A, lora_B, scaling, "default")
+            whole = dora.factored_row_norm(weight, lora_A, lora_B, scaling)
+            worst = max(worst, ((sharded - whole).abs() / whole.abs()).max().item())
+            modules += 1
+        layer.reshard()
+    return {"max_rel_err": max(_gather(worst)), "modules": modules, "row_sharded": row_sharded}
+
+
+def norm_check(spec: dict, device: torch.device, mesh, world: int, proc: int) -> dict:
+    """:func:`check_norms` on the spec's first rank, sharded as :func:`shard_fsdp2` (the launcher sends an fp32 spec:
+    no rounding hides a wrong row), after one forward and backward, so FSDP2's state is that of training."""
+    rank = spec["ranks"][0]
+    model = build(spec, rank, device)
+    shard_fsdp2(model, spec, mesh)
+    model.train()
+    ids = batches(spec, world, proc, device)[0]
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    out = dict(check_norms(model), rank=rank, precision=spec["precision"])
+    mw.release(model)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The process.
 # ---------------------------------------------------------------------------------------------------------------
@@ -284,18 +334,23 @@ def main(spec_path: str) -> int:
         info["peft_file"] = peft.__file__
         info["env"]["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None
         result["info"] = info
-        for rank in spec["ranks"]:
-            rec = dict(train_rank(spec, rank, device, mesh, world, proc), impl=impl["name"], round=spec["round"])
-            rec["mode"] = spec["precision"]
-            result["records"].append(rec)
+        if spec["task"] == "norm_check":
+            result["norm_check"] = norm_check(spec, device, mesh, world, proc)
             if proc == 0:
-                finite = all(math.isfinite(x) for x in rec["losses"])
-                print(
-                    f"[{impl['name']} r{spec['round']}] rank {rank}: step {rec['median_ms']:.2f} ms, loss0 "
-                    f"{rec['step0_loss']:.4f}, proof {rec['grad_proof']['ok']}, finite {finite}",
-                    flush=True,
-                )
-                result_path.write_text(json.dumps(result))
+                print(f"[norm_check] {result['norm_check']}", flush=True)
+        else:
+            for rank in spec["ranks"]:
+                rec = dict(train_rank(spec, rank, device, mesh, world, proc), impl=impl["name"], round=spec["round"])
+                rec["mode"] = spec["precision"]
+                result["records"].append(rec)
+                if proc == 0:
+                    finite = all(math.isfinite(x) for x in rec["losses"])
+                    print(
+                        f"[{impl['name']} r{spec['round']}] rank {rank}: step {rec['median_ms']:.2f} ms, loss0 "
+                        f"{rec['step0_loss']:.4f}, proof {rec['grad_proof']['ok']}, finite {finite}",
+                        flush=True,
+                    )
+                    result_path.write_text(json.dumps(result))
     except Exception:
         err = traceback.format_exc()
         print(f"[process {proc}] {err}", file=sys.stderr, flush=True)

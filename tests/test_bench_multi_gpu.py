@@ -1,7 +1,7 @@
 """The multi-GPU training benchmark (``benchmarks/bench_multi_gpu.py``): its configuration, plan and refusals, ratios
 and the worst-case headline from synthetic records, and one run of the whole launcher on CPU (two gloo processes per
 torchrun launch, FSDP2, a tiny Llama; ours and LoRA from the installed peft, upstream too where
-``PEFT_UPSTREAM_WHEEL`` names its wheel)."""
+``PEFT_UPSTREAM_WHEEL`` names its wheel; then the single-process and the sharded-norm references)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,21 @@ def test_config_plan_and_engines():
     assert _cfg("--shape", "tiny")["model"]["config_kwargs"]["num_hidden_layers"] == 2
     jobs = bench_multi_gpu.plan_jobs(_cfg("--rounds", "2"))
     assert [(j["round"], j["impl"]) for j in jobs] == [
-        (0, "upstream"), (0, "ours"), (0, "lora"), (1, "lora"), (1, "ours"), (1, "upstream")]  # fmt: skip
-    assert 60 < sum(bench_multi_gpu.estimate_s(cfg, j) for j in jobs) < 540  # the default run fits one call
+        (0, "upstream"), (0, "ours"), (0, "lora"), (1, "lora"), (1, "ours"), (1, "upstream"),
+        (0, "single"), (0, "norm_check")]  # fmt: skip
+    assert 60 < sum(bench_multi_gpu.estimate_s(cfg, j) for j in jobs) < 400  # the default run fits one call
+    single, norms = (bench_multi_gpu.job_spec(cfg, j) for j in jobs[-2:])
+    assert (single["task"], single["impl"]["name"], single["impl"]["ours"], single["nproc"], single["batch"]) == (
+        "single", "single", True, 1, 2)  # fmt: skip
+    assert (norms["task"], norms["nproc"], norms["precision"], norms["ranks"]) == ("norm_check", 2, "fp32", [16])
+    assert bench_multi_gpu.job_spec(cfg, jobs[0])["task"] == "train"
+
+    def refs(*argv):
+        return [j["impl"] for j in bench_multi_gpu.plan_jobs(_cfg(*argv)) if j["impl"] in bench_multi_gpu.REFERENCES]
+
+    assert refs("--no-single") == ["norm_check"] and refs("--no-norm-check") == ["single"]
+    assert refs("--engine", "zero3") == refs("--engine", "fsdp1") == ["single"]  # the norm check is FSDP2's
+    assert refs("--impls", "upstream,lora") == []  # both references are ours
     assert [_cfg("--engine", e)["engine"] for e in ("fsdp1", "zero2", "zero3")] == ["fsdp1", "zero2", "zero3"]
     with pytest.raises(SystemExit, match="choose from"):
         _cfg("--impls", "ours,qlora")
@@ -71,6 +84,15 @@ def test_ratios_are_medians_of_per_round_ratios_and_the_headline_is_the_worst_ra
     assert bench_multi_gpu.headline_values(doc) == pytest.approx({
         "fsdp2_dora_over_lora_train": 1.3, "fsdp2_train_speedup_vs_upstream": 2.0,
         "multi_gpu_peak_delta_over_lora_pct": 20.0})  # fmt: skip
+    assert r16["loss_max_abs_diff_vs_single_gpu"] is None  # the references did not run: no keys
+    assert not {"multi_gpu_loss_max_abs_diff_vs_single_gpu", "sharded_norm_rel_err_vs_unsharded"} & set(
+        bench_multi_gpu.headline_values(doc))  # fmt: skip
+    recs += [_rec("single", 16, 0, 20.0, losses=(2.0, 1.8999)), _rec("single", 128, 0, 20.0, losses=(2.0003, 1.9))]
+    doc["norm_check"] = {"max_rel_err": 1.234567e-7, "modules": 28, "row_sharded": 28}
+    assert bench_multi_gpu.summarize(doc)[0]["loss_max_abs_diff_vs_single_gpu"] == pytest.approx(1e-4)
+    headline = bench_multi_gpu.headline_values(doc)
+    assert headline["multi_gpu_loss_max_abs_diff_vs_single_gpu"] == pytest.approx(3e-4)  # the worst rank
+    assert headline["sharded_norm_rel_err_vs_unsharded"] == pytest.approx(1.23e-7)
     recs[6]["grad_proof"]["ok"] = False  # a step that did not train leaves no worst case
     assert bench_multi_gpu.headline_values(doc)["fsdp2_dora_over_lora_train"] is None
 
@@ -78,7 +100,8 @@ def test_ratios_are_medians_of_per_round_ratios_and_the_headline_is_the_worst_ra
 @pytest.mark.slow
 def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
     """Two torchrun launches (three with upstream) of two gloo processes each: FSDP2 over a tiny Llama, every step's
-    gradients proved over the shards, per-step losses all-reduced, the JSON free of machine paths."""
+    gradients proved over the shards, per-step losses all-reduced, the JSON free of machine paths; then the references:
+    ours in one process on the global batch (the same losses) and the sharded norm against the whole one."""
     upstream = os.environ.get("PEFT_UPSTREAM_WHEEL")
     impls = ["ours", "lora"] + (["upstream"] if upstream else [])
     out = tmp_path / "multi_gpu.json"
@@ -89,8 +112,9 @@ def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
     ])  # fmt: skip
     doc = json.loads(out.read_text())
     assert rc == 0 and not doc["errors"], doc["errors"]
-    assert doc["kind"] == "cpu_smoke" and {r["impl"] for r in doc["records"]} == set(impls)
-    assert all(x["world"] == 2 and x["backend"] == "gloo" for x in doc["launches"])
+    assert doc["kind"] == "cpu_smoke" and {r["impl"] for r in doc["records"]} == {*impls, "single"}
+    assert [x["impl"] for x in doc["launches"]][-2:] == ["single", "norm_check"]
+    assert all(x["world"] == (1 if x["impl"] == "single" else 2) and x["backend"] == "gloo" for x in doc["launches"])
     for r in doc["records"]:
         assert r["grad_proof"]["ok"] and r["grad_proof"]["steps"] == 3, r["grad_proof"]
         assert r["grad_proof"]["tensors"] == 14 * (3 if r["impl"] != "lora" else 2)
@@ -100,6 +124,12 @@ def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
     assert len(ours["norm_counts"]) == 3 and ours["norm_counts"][0].get("norm_computed") == 14
     (row,) = doc["summary"]
     assert row["dora_over_lora"]["ours"] is not None and math.isfinite(row["dora_over_lora"]["ours"])
+    # the same rows in one process: equal to the losses' 1e-6 rounding here; one process's rows alone differ by ~1e-2
+    assert row["loss_max_abs_diff_vs_single_gpu"] <= 1e-4
+    norms = doc["norm_check"]
+    assert norms["modules"] == 14 and norms["row_sharded"] > 0 and norms["max_rel_err"] <= 1e-6, norms
+    assert doc["headline"]["sharded_norm_rel_err_vs_unsharded"] == pytest.approx(norms["max_rel_err"], abs=1e-9)
+    assert doc["headline"]["multi_gpu_loss_max_abs_diff_vs_single_gpu"] <= 1e-4
     if upstream:
         assert row["speedup_vs_upstream"] is not None
         assert row["loss_max_abs_diff_vs_upstream"]["ours"] < 1e-3  # the same seeded model and data
