@@ -100,6 +100,8 @@ def parse_args(argv=None):
     a("--out", help="the JSON (default results/multi_gpu.json; off the GPU results/cpu_smoke/multi_gpu.json)")
     a("--headline", nargs="?", const=str(bench_model.RESULTS / "headline.json"), metavar="PATH",
       help="merge the headline keys into PATH (default results/headline.json); GPU runs only")  # fmt: skip
+    a("--headline-from", nargs="+", metavar="JSON",
+      help="only write the headline keys of these committed run JSONs (in order) into --headline's PATH")  # fmt: skip
     a("--timeout-s", type=float, default=600.0, help="per launch; the launch's process group is killed after it")
     a("--deadline-min", type=float, help="start no launch after this many minutes (skipped launches are listed)")
     a("--no-single", action="store_true", help="skip the single-process reference (ours, no engine, global batch)")
@@ -363,15 +365,19 @@ def _worst(values: list, pick, spec=".4f"):
 
 def headline_values(doc: dict) -> dict:
     """The worst case over ranks: ours' DoRA/LoRA step time (largest), ours' speed-up over upstream (smallest),
-    ours' peak over LoRA's in % (largest); None where a rank lacks the value. Where the references ran: ours'
+    ours' peak over LoRA's in % (largest); None where a rank lacks the value, and no key where the run left out an
+    impl it compares. ``multi_gpu_gpu`` names the GPUs. Where the references ran: ours'
     largest |loss − single-process loss| and the sharded norm's largest relative error (FSDP2)."""
-    rows, engine = summarize(doc), doc["config"]["engine"]
+    rows, engine, impls = summarize(doc), doc["config"]["engine"], set(doc["config"]["impls"])
     prefix = "multi_gpu_" + ("" if engine == "fsdp2" else f"{engine}_")
-    out = {
-        f"{engine}_dora_over_lora_train": _worst([r["dora_over_lora"]["ours"] for r in rows], max),
-        f"{engine}_train_speedup_vs_upstream": _worst([r["speedup_vs_upstream"] for r in rows], min),
-        prefix + "peak_delta_over_lora_pct": _worst([r["peak_delta_over_lora_pct"]["ours"] for r in rows], max),
-    }
+    out = {}  # a key only where the run had the impls it compares (a run of the references alone sets no ratio)
+    if {"ours", "lora"} <= impls:
+        out[f"{engine}_dora_over_lora_train"] = _worst([r["dora_over_lora"]["ours"] for r in rows], max)
+        out[prefix + "peak_delta_over_lora_pct"] = _worst([r["peak_delta_over_lora_pct"]["ours"] for r in rows], max)
+    if {"ours", "upstream"} <= impls:
+        out[f"{engine}_train_speedup_vs_upstream"] = _worst([r["speedup_vs_upstream"] for r in rows], min)
+    if out and doc["kind"] == "gpu":
+        out["multi_gpu_gpu"] = f"{doc['config']['nproc']}x {doc.get('env', {}).get('gpu')}"
     if any(r["impl"] == "single" for r in doc["records"]):
         diffs = [r["loss_max_abs_diff_vs_single_gpu"] for r in rows]
         out[prefix + "loss_max_abs_diff_vs_single_gpu"] = _worst(diffs, max, ".3g")
@@ -509,9 +515,22 @@ def run(args, argv: list) -> int:
     return 1 if doc["errors"] else 0
 
 
+def headline_from(paths: list, headline: Path) -> int:
+    """The headline keys of committed runs, recomputed from their JSON (``summarize`` over the records as they ran),
+    written in the order given: a later run's keys replace an earlier one's."""
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        written = bench_model.write_headline(doc["kind"], headline_values(doc), headline)
+        print(f"{path}: {json.dumps(written)}")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    return run(parse_args(argv), argv)
+    args = parse_args(argv)
+    if args.headline_from:
+        return headline_from(args.headline_from, Path(args.headline or bench_model.RESULTS / "headline.json"))
+    return run(args, argv)
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def run_variant(variant: str, spec: dict, rank: int, device, mesh, world: int, p
         prof = profile_step(step, 2)
         if proc == 0:
             out["profile"] = prof
-        del model, opt, step
+        model = opt = step = None  # the closure's cells too: the model's memory goes before the next variant
         mw.release()
         return out
     finally:
@@ -166,8 +166,9 @@ def main() -> int:
         if proc == 0:
             print(f"{variant}: {rec['median_ms']:.2f} ms; classes {rec['profile']['classes_ms']}; "
                   f"streams {rec['profile']['busy_ms_per_stream']}", flush=True)  # fmt: skip
-            Path(args.out).write_text(json.dumps({"world": world, "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "args":
-                                                  vars(args), "results": results}, indent=1))  # fmt: skip
+            gpu = torch.cuda.get_device_name() if device.type == "cuda" else None
+            doc = {"world": world, "gpu": gpu, "args": dict(vars(args), out=Path(args.out).name), "results": results}
+            Path(args.out).write_text(json.dumps(doc, indent=1))
     dist.destroy_process_group()
     return 0
 

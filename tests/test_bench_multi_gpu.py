@@ -75,7 +75,7 @@ def test_ratios_are_medians_of_per_round_ratios_and_the_headline_is_the_worst_ra
         _rec("lora", 128, 0, 10.0),
         _rec("upstream", 128, 0, 26.0, 200.0),
     ]
-    doc = {"kind": "gpu", "config": cfg, "records": recs}  # fmt: skip
+    doc = {"kind": "gpu", "config": cfg, "records": recs, "env": {"gpu": "NVIDIA H100 80GB HBM3"}}  # fmt: skip
     r16, r128 = bench_multi_gpu.summarize(doc)
     assert r16["dora_over_lora"]["ours"] == pytest.approx(1.15)  # rounds 1.1 and 1.2, not 17.5 / 15
     assert r16["speedup_vs_upstream"] == pytest.approx((3.0 + 40 / 24) / 2, abs=1e-4)
@@ -83,7 +83,7 @@ def test_ratios_are_medians_of_per_round_ratios_and_the_headline_is_the_worst_ra
     assert r16["loss_max_abs_diff_vs_upstream"]["ours"] == pytest.approx(0.05)
     assert bench_multi_gpu.headline_values(doc) == pytest.approx({
         "fsdp2_dora_over_lora_train": 1.3, "fsdp2_train_speedup_vs_upstream": 2.0,
-        "multi_gpu_peak_delta_over_lora_pct": 20.0})  # fmt: skip
+        "multi_gpu_peak_delta_over_lora_pct": 20.0, "multi_gpu_gpu": "2x NVIDIA H100 80GB HBM3"})  # fmt: skip
     assert r16["loss_max_abs_diff_vs_single_gpu"] is None  # the references did not run: no keys
     assert not {"multi_gpu_loss_max_abs_diff_vs_single_gpu", "sharded_norm_rel_err_vs_unsharded"} & set(
         bench_multi_gpu.headline_values(doc))  # fmt: skip
@@ -95,6 +95,10 @@ def test_ratios_are_medians_of_per_round_ratios_and_the_headline_is_the_worst_ra
     assert headline["sharded_norm_rel_err_vs_unsharded"] == pytest.approx(1.23e-7)
     recs[6]["grad_proof"]["ok"] = False  # a step that did not train leaves no worst case
     assert bench_multi_gpu.headline_values(doc)["fsdp2_dora_over_lora_train"] is None
+    # a run of ours and its references alone sets their keys and leaves the ratios of other runs alone
+    alone = dict(doc, config=_cfg("--ranks", "16,128", "--impls", "ours"))
+    assert set(bench_multi_gpu.headline_values(alone)) == {
+        "multi_gpu_loss_max_abs_diff_vs_single_gpu", "sharded_norm_rel_err_vs_unsharded"}  # fmt: skip
 
 
 @pytest.mark.slow
