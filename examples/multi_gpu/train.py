@@ -101,6 +101,8 @@ def main(argv=None):
         print(f"engine: {trainer.accelerator.distributed_type}, {trainer.accelerator.num_processes} processes, "
               f"parameters sharded: {sharded}")  # fmt: skip
         print(f"losses: {losses}")
+    if trainer.is_fsdp_enabled:  # a sharded state dict saves as shards: the adapter itself needs the full one
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(args.output_dir)  # the adapter; under FSDP/ZeRO-3 the Trainer gathers it first
     return 0
 

@@ -209,10 +209,16 @@ class DoraLinearLayer(nn.Module):
     def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, adapter_name="default"):
         """The DoRA delta to add to the base layer's output: ``(g - 1)·base + g·(s·lora)``."""
         weight = _forward_weight(base_layer)
-        weight_norm = self._forward_norm(weight, lora_A.weight, lora_B.weight, scaling, adapter_name)
+        if dora_dist.fsdp1_unit(lora_A) or dora_dist.fsdp1_unit(lora_B):
+            # FSDP1 units of their own: A and B are whole only inside their forwards, so the branch first
+            lora_result, weight_a, weight_b = dora_dist.lora_output_and_weights(lora_A, lora_B, x)
+        else:
+            lora_result, weight_a, weight_b = None, lora_A.weight, lora_B.weight
+        weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
         # The norm is a constant for autograd (DoRA paper, section 4.3); only the magnitude gets a gradient.
         g = self._scale(weight_norm, weight.dtype)
-        lora_result = _lora_output(lora_A, lora_B, x)
+        if lora_result is None:
+            lora_result = _lora_output(lora_A, lora_B, x)
         if base_result is None:
             if isinstance(weight, dora_quant.QuantizedWeight):  # no dense W kept from the forward to the backward
                 return self._compose(lora_result, dora_quant.base_output(weight, x), g, scaling)
@@ -683,6 +689,15 @@ class DoraLinearVariant(_DoraVariantBase):
         lora_A, lora_B = modules["lora_A"]._modules[active_adapter], modules["lora_B"]._modules[active_adapter]
         scaling, base_layer = module.scaling[active_adapter], _base_layer(module)
         dropout = modules["lora_dropout"]._modules[active_adapter]
+        if dora_dist.fsdp1_unit(dora_layer) or dora_dist.fsdp1_unit(lora_A) or dora_dist.fsdp1_unit(lora_B):
+            # FSDP1 units of their own (PEFT's fsdp_auto_wrap_policy): m, A and B are whole only inside their own
+            # forwards, so the magnitude module is called (upstream's route), not its methods
+            branch = module.training and dora_settings.current().dropout == "branch"
+            exact = module.training and not branch and not isinstance(dropout, nn.Identity)
+            return result + dora_layer(
+                dropout(x) if module.training else x, lora_A=lora_A, lora_B=lora_B, scaling=scaling,
+                base_layer=base_layer, base_result=None if exact else result, adapter_name=active_adapter,
+            )  # fmt: skip
         if not module.training or isinstance(dropout, nn.Identity):
             return dora_layer.adapted_output(
                 x, result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,

@@ -27,6 +27,12 @@ and the magnitude's zero test.
 
 FSDP2 publishes no map from a gathered parameter to its shard; the one private read (its per-module state and
 ``FSDPParam`` objects) is :func:`_index`, and anything it does not find computes the norm as without FSDP2.
+
+FSDP1 (``FullyShardedDataParallel``) holds a unit's parameters whole only inside that unit's own forward. PEFT's
+``fsdp_auto_wrap_policy``, which accelerate and the Trainer apply to a PEFT model, makes every ``lora_A``, ``lora_B``
+and magnitude module a unit of its own: outside their forwards their weights are flat shards (``use_orig_params``) or
+views of freed storage. :func:`fsdp1_unit` tells such a module, and :func:`lora_output_and_weights` runs the LoRA
+branch through the units' forwards and copies A and B as those forwards saw them, for the norm.
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ try:
     from torch.distributed._composable_state import _module_state_mapping
 except ImportError:  # a PyTorch without it has no FSDP2 of this layout either
     _module_state_mapping = {}
+try:
+    from torch.distributed.fsdp import FullyShardedDataParallel as _FSDP1
+except ImportError:  # a PyTorch built without distributed support
+    _FSDP1 = None
 
 
 @dataclass(frozen=True)
@@ -202,3 +212,30 @@ def gather_rows(part: torch.Tensor, shards: NormShards, d_out: int) -> torch.Ten
     out = part.new_empty(shards.chunk * world)
     dist.all_gather_into_tensor(out, padded, group=shards.group)
     return out[:d_out]
+
+
+def fsdp1_unit(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an FSDP1 unit, whose parameters are whole only inside its own forward."""
+    return _FSDP1 is not None and isinstance(module, _FSDP1)
+
+
+def lora_output_and_weights(lora_A: torch.nn.Module, lora_B: torch.nn.Module, x: torch.Tensor) -> tuple:
+    """``(lora_B(lora_A(x)), A, B)``: the LoRA branch through the modules' own forwards (an FSDP1 unit gathers its
+    parameters for it) and detached copies of their weights as those forwards saw them ([r, d_in] and [d_out, r]:
+    small), for the norm, which autograd treats as a constant (DoRA paper, section 4.3)."""
+    seen = [None, None]
+
+    def keeper(i):
+        def hook(module, args):
+            seen[i] = module.weight.detach().clone()
+
+        return hook
+
+    inner = [m.module if fsdp1_unit(m) else m for m in (lora_A, lora_B)]
+    handles = [m.register_forward_pre_hook(keeper(i)) for i, m in enumerate(inner)]
+    try:
+        out = lora_B(lora_A(x))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out, seen[0], seen[1]

@@ -60,6 +60,19 @@ def main() -> int:
     p.add_argument("--zero-test", type=int, default=0, help="1: check the sharded magnitudes' zero-test prefetch")
     p.add_argument("--resume", type=int, default=0, help="1: a sharded checkpoint, a detour and a resume mid-run")
     p.add_argument("--b-columns", type=int, default=0, help="1: FSDP2 shards every lora_B over its columns")
+    p.add_argument(
+        "--fsdp1-policy",
+        choices=("layers", "peft"),
+        default="layers",
+        help="peft: PEFT's fsdp_auto_wrap_policy, as accelerate and the Trainer apply it to a PEFT model "
+        "(every lora_A, lora_B and magnitude module its own FSDP unit, besides the decoder layers)",
+    )
+    p.add_argument(
+        "--fsdp1-orig-params",
+        type=int,
+        default=1,
+        help="FSDP1's use_orig_params (0: flat parameters, PEFT's documented FSDP recipe)",
+    )
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -90,9 +103,13 @@ def main() -> int:
 
         strategy = ShardingStrategy.FULL_SHARD if args.reshard else ShardingStrategy.SHARD_GRAD_OP
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+        if args.fsdp1_policy == "peft":
+            from peft.utils.other import fsdp_auto_wrap_policy
+
+            policy = fsdp_auto_wrap_policy(model)
         device_id = torch.cuda.current_device() if args.device == "cuda" else torch.device("cpu")
         model = FullyShardedDataParallel(model, auto_wrap_policy=policy, sharding_strategy=strategy,
-                                         use_orig_params=True, device_id=device_id)  # fmt: skip
+                                         use_orig_params=bool(args.fsdp1_orig_params), device_id=device_id)  # fmt: skip
     elif fsdp and args.engine == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -119,8 +136,12 @@ def main() -> int:
     # normalisation turns reduction-order noise in near-zero gradients into ~1e-3 parameter differences)
     opt = torch.optim.AdamW(params, lr=1e-3) if args.optim == "adamw" else torch.optim.SGD(params, lr=0.05)
     if zero:
-        config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": int(args.engine[-1])}, "zero_allow_untested_optimizer": True}
+        config = {
+            "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": int(args.engine[-1])},
+            "zero_allow_untested_optimizer": True,
+        }
         model, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     norm_counts = _norm_counts()
     zero_tests = _count_zero_tests()

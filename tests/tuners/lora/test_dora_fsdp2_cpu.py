@@ -51,12 +51,23 @@ def _build():
         ("fsdp2", "sgd", "0", "1"),
         ("fsdp2", "adamw", "1", "0"),
         ("fsdp1", "sgd", "1", "1"),
+        ("fsdp1-peft", "sgd", "1", "1"),
+        ("fsdp1-peft-flat", "sgd", "1", "1"),
     ),
-    ids=("sgd-reshard", "sgd-keep-checkpointing", "adamw-reshard", "fsdp1-sgd-checkpointing"),
+    ids=("sgd-reshard", "sgd-keep-checkpointing", "adamw-reshard", "fsdp1-sgd-checkpointing", "fsdp1-peft-policy",
+         "fsdp1-peft-policy-flat-params"),  # fmt: skip
 )
 def test_fsdp2_training_equals_one_process(tmp_path, request, engine, optim, reshard, checkpointing):
+    """``fsdp1-peft``: FSDP1 with PEFT's ``fsdp_auto_wrap_policy`` (accelerate's and the Trainer's for a PEFT model),
+    where every lora_A, lora_B and magnitude module is an FSDP unit of its own, whole only inside its own forward
+    (before the fix our norm read their flat shards and raised; upstream's DoRA fails there too). ``-flat``: the same
+    without ``use_orig_params`` (PEFT's documented FSDP recipe, which upstream trains), where outside the units'
+    forwards the weights are views of freed storage (before the fix: a RuntimeError on CPU)."""
     flags = ("--optim", optim, "--reshard", reshard, "--checkpointing", checkpointing)
-    sharded = _train(tmp_path, 2, *flags, "--engine", engine)
+    policy = ("--fsdp1-policy", "peft") if "-peft" in engine else ()
+    policy += ("--fsdp1-orig-params", "0") if engine.endswith("-flat") else ()
+    engine = engine.split("-")[0]
+    sharded = _train(tmp_path, 2, *flags, "--engine", engine, *policy)
     single = _train(tmp_path, 1, *flags)
     assert sharded["world"] == 2 and single["world"] == 1
     assert len(sharded["losses"]) == 20
