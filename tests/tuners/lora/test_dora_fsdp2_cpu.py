@@ -54,8 +54,14 @@ def _build():
         ("fsdp1-peft", "sgd", "1", "1"),
         ("fsdp1-peft-flat", "sgd", "1", "1"),
     ),
-    ids=("sgd-reshard", "sgd-keep-checkpointing", "adamw-reshard", "fsdp1-sgd-checkpointing", "fsdp1-peft-policy",
-         "fsdp1-peft-policy-flat-params"),  # fmt: skip
+    ids=(
+        "sgd-reshard",
+        "sgd-keep-checkpointing",
+        "adamw-reshard",
+        "fsdp1-sgd-checkpointing",
+        "fsdp1-peft-policy",
+        "fsdp1-peft-policy-flat-params",
+    ),  # fmt: skip
 )
 def test_fsdp2_training_equals_one_process(tmp_path, request, engine, optim, reshard, checkpointing):
     """``fsdp1-peft``: FSDP1 with PEFT's ``fsdp_auto_wrap_policy`` (accelerate's and the Trainer's for a PEFT model),
