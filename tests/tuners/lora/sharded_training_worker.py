@@ -372,31 +372,18 @@ def zero_test_check(model, rank: int) -> dict:
     return out
 
 
-@torch.no_grad()
 def check_norms(model) -> dict:
-    """Each DoRA Linear's norm under FSDP2 (this rank's rows, gathered) against the whole norm of the gathered
-    tensors, with the layer unsharded through FSDP2's public ``unshard``/``reshard``."""
-    from peft.tuners.lora import dora, dora_dist
-    from peft.tuners.lora.layer import Linear
+    """Each DoRA Linear's norm under FSDP2 against the whole norm of the gathered tensors: the multi-GPU benchmark's
+    check (``benchmarks/multi_gpu_worker.check_norms``), the worst over processes."""
+    import sys
+    from pathlib import Path
 
-    worst, row_sharded, modules = 0.0, 0, 0
-    for layer in model.base_model.model.model.layers:
-        layer.unshard()
-        for module in layer.modules():
-            if not isinstance(module, Linear) or "default" not in module.lora_magnitude_vector:
-                continue
-            weight = module.get_base_layer().weight
-            lora_A, lora_B = module.lora_A["default"].weight, module.lora_B["default"].weight
-            scaling = module.scaling["default"]
-            shards = dora_dist.norm_shards(weight, lora_A, lora_B)
-            row_sharded += shards is not None and shards.group is not None
-            dora.invalidate_norm_caches()
-            sharded = module.lora_magnitude_vector["default"]._forward_norm(weight, lora_A, lora_B, scaling, "default")
-            whole = dora.factored_row_norm(weight, lora_A, lora_B, scaling)
-            worst = max(worst, ((sharded - whole).abs() / whole.abs()).max().item())
-            modules += 1
-        layer.reshard()
-    return {"max_rel_err": worst, "row_sharded": row_sharded, "modules": modules}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+    try:
+        from multi_gpu_worker import check_norms as check
+    finally:
+        sys.path.pop(0)
+    return check(model)
 
 
 if __name__ == "__main__":
