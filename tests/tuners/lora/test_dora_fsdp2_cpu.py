@@ -248,3 +248,15 @@ def test_fsdp2_columns_of_b_take_the_whole_norm(tmp_path):
     assert all(c["norm_computed"] == c["norm_reused"] == MODULES for c in sharded["counts"]), sharded["counts"][:2]
     for a, b in zip(sharded["eval"]["logits"], single["eval"]["logits"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_fsdp2_four_processes_train_as_one(tmp_path):
+    """Any N: four processes (FSDP2 shards of 25/25/25/24 rows for the odd ``d_out``, one row of each ``lora_A``)
+    train as one process on the same global batch, with the sharded norm equal to the whole norm on every rank."""
+    flags = ("--optim", "sgd", "--checkpointing", "1")
+    sharded, single = _train(tmp_path, 4, *flags), _train(tmp_path, 1, *flags)
+    assert sharded["world"] == 4
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=1e-5)
+    _check_sharded_norm(sharded, single, recompute=True, same_params=True)
+    for name, value in single["adapter"].items():
+        torch.testing.assert_close(sharded["adapter"][name], value, rtol=1e-5, atol=1e-6, msg=name)
