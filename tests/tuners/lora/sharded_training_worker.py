@@ -21,6 +21,7 @@ import collections
 import contextlib
 import os
 import warnings
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ import torch.distributed as dist
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 20, 4, 16, 128
 
 
-def build(dora: bool = True):
+def build(dora: bool = True, quant: Optional[str] = None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from peft import LoraConfig, get_peft_model
@@ -40,8 +41,31 @@ def build(dora: bool = True):
         vocab_size=VOCAB, max_position_embeddings=64,
     )  # fmt: skip
     base = LlamaForCausalLM(config)
+    if quant is not None:
+        quantize(base, quant)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=dora, init_lora_weights=False)
     return get_peft_model(base, lora)
+
+
+def quantize(base, kind: str) -> None:
+    """Every projection of the decoder layers as a bitsandbytes 4-bit Linear (``nf4`` with double quantization, or
+    ``fp4``) with fp32 storage and compute: FSDP2 shards only floating-point storage (bitsandbytes' FSDP recipe,
+    ``quant_storage``), and fp32 keeps the comparison with one process tight. The layer is the weight's ``module``,
+    which keeps its quantization state for when FSDP2's gathered copy has lost it."""
+    import bitsandbytes as bnb
+
+    for layer in base.model.layers:
+        for parent in layer.modules():
+            for name, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=torch.float32, quant_type=kind, compress_statistics=kind == "nf4",
+                                      quant_storage=torch.float32)  # fmt: skip
+                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type=kind,
+                                             compress_statistics=kind == "nf4", quant_storage=torch.float32,
+                                             module=q)  # fmt: skip
+                setattr(parent, name, q.to("cpu"))  # quantized on the move to the device
 
 
 def main() -> int:
@@ -73,6 +97,7 @@ def main() -> int:
         default=1,
         help="FSDP1's use_orig_params (0: flat parameters, PEFT's documented FSDP recipe)",
     )
+    p.add_argument("--quant", choices=("nf4", "fp4"), help="QDoRA: the projections 4-bit (bitsandbytes, fp32 storage)")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -88,7 +113,7 @@ def main() -> int:
         deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
     elif fsdp or world > 1:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    model = build(bool(args.dora))
+    model = build(bool(args.dora), args.quant)
     if args.device == "cuda":
         model = model.cuda()
     if args.checkpointing:
@@ -183,11 +208,14 @@ def main() -> int:
     with _gathered(list(model.parameters())):  # ZeRO-3's partitions gathered (FSDP's DTensors: full_tensor)
         full = {name.removeprefix("module."): (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu().clone()
                 for name, t in model.state_dict().items()}  # fmt: skip
-    unsharded = build(bool(args.dora))  # the gathered state in an unsharded model (FSDP1 renames modules)
-    unsharded.load_state_dict(full)
-    adapter = get_peft_model_state_dict(unsharded)
+    if args.quant is None:
+        unsharded = build(bool(args.dora))  # the gathered state in an unsharded model (FSDP1 renames modules)
+        unsharded.load_state_dict(full)
+        adapter = get_peft_model_state_dict(unsharded)
+    else:  # the quantized base's state holds bitsandbytes' packed storage and statistics: the adapter's tensors only
+        adapter = {k: v for k, v in full.items() if "lora_" in k}
     evaluated = evaluate(model, world)  # edits the adapter: after the trained one is saved
-    norm_check = check_norms(model) if fsdp and args.engine == "fsdp2" else None
+    norm_check = check_norms(model) if fsdp and args.engine == "fsdp2" and args.quant is None else None
     if rank == 0:
         torch.save({"losses": losses, "adapter": adapter, "world": world, "fsdp": fsdp and args.engine,
                     "counts": counts, "eval": evaluated, "norm_check": norm_check, "syncs": syncs},

@@ -260,3 +260,23 @@ def test_fsdp2_four_processes_train_as_one(tmp_path):
     _check_sharded_norm(sharded, single, recompute=True, same_params=True)
     for name, value in single["adapter"].items():
         torch.testing.assert_close(sharded["adapter"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_qdora_fsdp2_trains_as_one_process_and_as_upstream(tmp_path, upstream_env):  # noqa: F811
+    """QDoRA under FSDP2 (bitsandbytes' FSDP recipe: 4-bit storage in a float dtype, here NF4 in fp32 storage and
+    compute): FSDP2 shards and gathers the packed weights, whose quantization state the layer keeps. Two processes
+    train as one and as upstream's DoRA under the same engine, and the eval logits around in-place edits of B and m
+    equal upstream's."""
+    pytest.importorskip("bitsandbytes")
+    flags = ("--optim", "sgd", "--quant", "nf4")
+    sharded, single = _train(tmp_path, 2, *flags), _train(tmp_path, 1, *flags)
+    theirs = _train(tmp_path, 2, *flags, env=upstream_env[1])
+    assert sharded["world"] == theirs["world"] == 2 and sharded["counts"][0].get("norm_computed") == MODULES
+    for other in (single, theirs):
+        torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(other["losses"]), rtol=1e-5, atol=1e-5)
+        assert sorted(sharded["adapter"]) == sorted(other["adapter"])
+        for name, value in other["adapter"].items():
+            torch.testing.assert_close(sharded["adapter"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    for a, b in zip(sharded["eval"]["logits"], theirs["eval"]["logits"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert (sharded["eval"]["logits"][0] - sharded["eval"]["logits"][1]).abs().max() > 1e-2  # the edits changed them
