@@ -348,14 +348,17 @@ class DoraLinearLayer(nn.Module):
             shards = dora_dist.norm_shards(weight, lora_A, lora_B)
             if shards is not None:
                 return self._sharded_norm(weight, lora_A, lora_B, scaling, adapter_name, shards)
-        sources = (*_weight_sources(weight), source(lora_A), source(lora_B))
+        sources, extra = (*_weight_sources(weight), source(lora_A), source(lora_B)), (float(scaling),)
+        shards = dora_dist.stand_ins(sources)
+        if shards is not None:  # FSDP2 with a quantized W: A and B kept on their shards, as W already is
+            sources, extra = shards[0], (*extra, shards[1])
         return memoised(
             self._reuse.norm,
             reuse_mode(self, sources),
             "norm",
             sources,
             lambda: self._fresh_norm(weight, lora_A, lora_B, scaling, adapter_name),
-            extra=float(scaling),
+            extra=(*extra, _weight_versions(weight)),
         )
 
     def _sharded_norm(self, weight, lora_A, lora_B, scaling, adapter_name, shards) -> torch.Tensor:
@@ -395,7 +398,8 @@ class DoraLinearLayer(nn.Module):
             # ||W||² of the frozen quantized weight, kept while its storage and scales are unchanged
             sources, graph_weight = weight.sources, weight.param
             if dora_settings.current().norm_cache is not False:
-                w_sq = memoised(reuse.w_sq, "any", "w_sq", sources, lambda: dora_quant.row_sq_norm(weight))
+                w_sq = memoised(reuse.w_sq, "any", "w_sq", weight.keys, lambda: dora_quant.row_sq_norm(weight),
+                                extra=weight.versions)  # fmt: skip
         else:
             sources, graph_weight = (weight,), weight
             w = transpose(weight, self.fan_in_fan_out)
@@ -448,10 +452,11 @@ class DoraLinearLayer(nn.Module):
             g = magnitude_scale(magnitude, weight_norm, weight.dtype).float()
             return torch.stack((g,) if bias is None else (g, (1 - g) * bias.float()))
 
-        scaling = extra = float(scaling)
+        scaling = float(scaling)
+        extra = (scaling, _weight_versions(weight))
         shards = dora_dist.stand_ins(sources)
         if shards is not None:  # FSDP2: kept on the shards (gathered copies do not show edits)
-            sources, extra = shards[0], (scaling, shards[1])
+            sources, extra = shards[0], (*extra, shards[1])
         reuse = self._reuse
         # the common case first, without `memoised`'s checks of compile and capture (the gates and the caller's)
         f = reused(reuse.factors, "scale", sources, extra)
@@ -845,7 +850,13 @@ def _forward_weight(base_layer: nn.Module):
 
 def _weight_sources(weight) -> tuple:
     """The tensors whose identity and versions stand for the base weight's values in the norm's memos."""
-    return weight.sources if isinstance(weight, dora_quant.QuantizedWeight) else (weight,)
+    return weight.keys if isinstance(weight, dora_quant.QuantizedWeight) else (weight,)
+
+
+def _weight_versions(weight) -> tuple:
+    """Version counters that key the base weight's values besides :func:`_weight_sources` (FSDP2's sharded packed
+    weight and its gathered copy, ``dora_quant.QuantizedWeight.versions``)."""
+    return weight.versions if isinstance(weight, dora_quant.QuantizedWeight) else ()
 
 
 def _plain_linear(module: nn.Module) -> bool:

@@ -84,6 +84,7 @@ def shard_versions(param: torch.Tensor, gathered: torch.Tensor) -> tuple:
 
 _MISSING = object()
 _params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gathered parameter -> its FSDPParam, or None if it has none
+_owners: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> {parameter name: its FSDPParam}
 
 
 def _index() -> None:
@@ -99,6 +100,9 @@ def _index() -> None:
                 gathered = getattr(fsdp_param, "_unsharded_param", None)
                 if gathered is not None:
                     _params[gathered] = fsdp_param
+                info = getattr(fsdp_param, "_module_info", None)
+                if info is not None:
+                    _owners.setdefault(info.module, {})[info.param_name] = fsdp_param
 
 
 def fsdp_param(param: torch.Tensor):
@@ -150,6 +154,21 @@ def stand_ins(tensors) -> Optional[tuple]:
             versions += shard_versions(fp.sharded_param, t)
             found = True
     return (tuple(keys), tuple(versions)) if found else None
+
+
+def module_shard(module: torch.nn.Module, name: str) -> Optional[tuple]:
+    """``(local shard, sharded parameter)`` of the parameter FSDP2 manages as ``module.<name>``, or None. For a
+    parameter whose gathered copy is not the object a forward sees: bitsandbytes wraps FSDP2's gathered 4-bit weight
+    in a new ``Params4bit`` in every forward (FSDP2 gathers parameter subclasses as plain parameters)."""
+    if not _module_state_mapping:
+        return None
+    owned = _owners.get(module)
+    if owned is None:
+        _index()
+        owned = _owners.setdefault(module, {})
+    fp = owned.get(name)
+    local = None if fp is None else _local_shard(fp)
+    return None if local is None else (local, fp.sharded_param)
 
 
 @dataclass(frozen=True)

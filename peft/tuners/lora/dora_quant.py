@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import dora_dist
 from .dora_norm import acc_operand, chain_shapes, combine_row_norm, matmul_operand
 from .dora_settings import get_dora_norm_threshold_bytes
 
@@ -65,11 +66,13 @@ class QuantizedWeight:
     """A bitsandbytes base layer's weight as the DoRA norm reads it: ``[d_out, d_in]`` of ``dtype`` (the dequantized
     dtype: the 4-bit state's, fp32 for LLM.int8 as upstream dequantizes it), never materialised whole.
 
-    ``sources`` are the tensors whose identity and versions stand for the values (the quantized parameter and its
-    scales): a norm kept for them is stale once any is replaced or written.
+    ``sources`` are the quantized parameter and its scales; ``keys`` (with ``versions``) the tensors whose identity and
+    versions stand for the values: the sources themselves, or under FSDP2 the rank's shard of the packed weight in
+    place of the gathered copy (a new object and address in every forward). A norm kept for them is stale once any
+    is replaced or written.
     """
 
-    __slots__ = ("param", "kind", "shape", "dtype", "device", "sources", "_scales")
+    __slots__ = ("param", "kind", "shape", "dtype", "device", "sources", "keys", "versions", "_scales")
 
     def __init__(self, layer: nn.Module, param: torch.Tensor, kind: str):
         self.param, self.kind, self.device = param, kind, param.device
@@ -90,6 +93,11 @@ class QuantizedWeight:
             self.sources = (param, scb)
         if len(self.shape) != 2:
             raise ValueError(f"DoRA on a quantized layer: expected a 2-D weight, got shape {tuple(self.shape)}")
+        self.keys, self.versions = self.sources, ()
+        shard = dora_dist.module_shard(layer, "weight")
+        if shard is not None:
+            self.keys = (shard[0], *self.sources[1:])
+            self.versions = dora_dist.shard_versions(shard[1], param)
 
     def row_step(self) -> int:
         """Rows per chunk must be a multiple of this: 4-bit chunks start on a quantization block."""

@@ -266,9 +266,11 @@ def test_qdora_fsdp2_trains_as_one_process_and_as_upstream(tmp_path, upstream_en
     """QDoRA under FSDP2 (bitsandbytes' FSDP recipe: 4-bit storage in a float dtype, here NF4 in fp32 storage and
     compute): FSDP2 shards and gathers the packed weights, whose quantization state the layer keeps. Two processes
     train as one and as upstream's DoRA under the same engine, and the eval logits around in-place edits of B and m
-    equal upstream's."""
+    equal upstream's. The norm and the frozen weight's ``‖W‖²`` are kept on the shards: bitsandbytes wraps the
+    gathered packed weight in a new ``Params4bit`` in every forward, so a memo on it was never reused (before, every
+    forward dequantized every weight for ``‖W‖²`` and the checkpoint recompute computed the norm again)."""
     pytest.importorskip("bitsandbytes")
-    flags = ("--optim", "sgd", "--quant", "nf4")
+    flags = ("--optim", "sgd", "--quant", "nf4", "--checkpointing", "1")
     sharded, single = _train(tmp_path, 2, *flags), _train(tmp_path, 1, *flags)
     theirs = _train(tmp_path, 2, *flags, env=upstream_env[1])
     assert sharded["world"] == theirs["world"] == 2 and sharded["counts"][0].get("norm_computed") == MODULES
@@ -280,3 +282,10 @@ def test_qdora_fsdp2_trains_as_one_process_and_as_upstream(tmp_path, upstream_en
     for a, b in zip(sharded["eval"]["logits"], theirs["eval"]["logits"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert (sharded["eval"]["logits"][0] - sharded["eval"]["logits"][1]).abs().max() > 1e-2  # the edits changed them
+    for step, counts in enumerate(sharded["counts"]):
+        assert counts.get("norm_computed") == counts.get("norm_reused") == MODULES, (step, counts)
+        assert counts.get("w_sq_computed", 0) == (MODULES if step == 0 else 0), (step, counts)
+    after_b, after_m, repeat = sharded["eval"]["counts"]
+    assert after_b.get("norm_computed") == MODULES and after_m.get("scale_computed") == MODULES
+    assert after_m.get("norm_reused") == MODULES
+    assert not repeat.get("norm_computed") and not repeat.get("scale_computed")
