@@ -90,8 +90,9 @@ def watch_merges(cls: type) -> None:
 def identity_tracked(tensors, inference: bool = True) -> bool:
     """True when every change of these tensors' values shows in their version counter or storage.
 
-    Sharded or wrapped parameters (DeepSpeed ZeRO-3, DTensor/FSDP2, torchao's and HQQ's classes) are re-gathered or
-    re-materialised behind PyTorch's back; bitsandbytes' quantized parameters are plain storage that requantizing or
+    Sharded or wrapped parameters (DeepSpeed ZeRO-3, DTensors, torchao's and HQQ's classes) are re-gathered or
+    re-materialised behind PyTorch's back (FSDP2's gathered copies are plain parameters: their memos are keyed on
+    the ranks' shards instead, ``dora_dist``); bitsandbytes' quantized parameters are plain storage that requantizing or
     merging replaces (a new object or ``.data``), so they are tracked. Inference tensors have no version counter
     (``inference=False`` leaves that test to the caller: Dynamo cannot trace ``is_inference``).
     """
