@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib.util
 import os
 import warnings
 from typing import Optional
@@ -98,6 +99,7 @@ def main() -> int:
         help="FSDP1's use_orig_params (0: flat parameters, PEFT's documented FSDP recipe)",
     )
     p.add_argument("--quant", choices=("nf4", "fp4"), help="QDoRA: the projections 4-bit (bitsandbytes, fp32 storage)")
+    p.add_argument("--mp", type=int, default=0, help="1: FSDP2 MixedPrecisionPolicy(param bf16, reduce fp32)")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -141,6 +143,10 @@ def main() -> int:
 
         mesh = init_device_mesh(args.device, (world,))
         kwargs = {"mesh": mesh, "reshard_after_forward": bool(args.reshard)}
+        if args.mp:  # fp32 parameters, gathered and computed in bf16, gradients reduced in fp32
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if args.b_columns:  # B sharded over its columns (r): the norm's rows are no longer split like W's
             from torch.distributed.tensor import Shard
 
@@ -215,7 +221,8 @@ def main() -> int:
     else:  # the quantized base's state holds bitsandbytes' packed storage and statistics: the adapter's tensors only
         adapter = {k: v for k, v in full.items() if "lora_" in k}
     evaluated = evaluate(model, world)  # edits the adapter: after the trained one is saved
-    norm_check = check_norms(model) if fsdp and args.engine == "fsdp2" and args.quant is None else None
+    ours = importlib.util.find_spec("peft.tuners.lora.dora_dist") is not None  # upstream has no sharded norm
+    norm_check = check_norms(model) if ours and fsdp and args.engine == "fsdp2" and args.quant is None else None
     if rank == 0:
         torch.save({"losses": losses, "adapter": adapter, "world": world, "fsdp": fsdp and args.engine,
                     "counts": counts, "eval": evaluated, "norm_check": norm_check, "syncs": syncs},
