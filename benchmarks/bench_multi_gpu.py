@@ -87,6 +87,8 @@ def parse_args(argv=None):
     a("--batch", type=int, default=1, help="rows per process and step")
     a("--precision", default="bf16", choices=PRECISIONS, help="bf16: all parameters bf16; mp: fp32 + bf16 compute")
     a("--reshard", type=int, default=1, choices=(0, 1), help="FSDP2 reshard_after_forward")
+    a("--quant", choices=("nf4",), help="QDoRA vs QLoRA: every decoder projection bitsandbytes NF4 (double "
+      "quantization) in bf16 storage, bitsandbytes' FSDP recipe; FSDP2 and --precision bf16 only")  # fmt: skip
     a("--warmup", type=int, default=3, help="untimed steps, at least 1 (the static memory must hold AdamW's state)")
     a("--steps", type=int, default=8, help="timed steps")
     a("--rounds", type=int, default=2, help="interleaved rounds of every implementation")
@@ -115,7 +117,12 @@ def resolve_config(args) -> dict:
     layers = args.layers if args.layers is not None else (2 if args.shape == "tiny" else 4)
     kwargs = dict(LLAMA, **SHAPES[args.shape], num_hidden_layers=layers)
     gpu = args.device.startswith("cuda")
-    wanted = {"single": not args.no_single, "norm_check": not args.no_norm_check and args.engine == "fsdp2"}
+    if args.quant and (args.engine != "fsdp2" or args.precision != "bf16"):
+        # FSDP2's mixed precision would cast the packed 4-bit storage; FSDP1 and ZeRO have not been wired here
+        raise SystemExit("--quant: FSDP2 with --precision bf16 only (the packed weights must not be cast)")
+    # the norm check compares with the dense norm of the gathered weight, which a quantized base does not have
+    wanted = {"single": not args.no_single,
+              "norm_check": not args.no_norm_check and args.engine == "fsdp2" and not args.quant}  # fmt: skip
     return {
         "engine": args.engine,
         "nproc": args.nproc,
@@ -135,6 +142,7 @@ def resolve_config(args) -> dict:
         "batch": args.batch,
         "global_batch": args.batch * args.nproc,
         "precision": args.precision,
+        "quant": args.quant,
         "reshard": args.reshard,
         "warmup": max(1, args.warmup),
         "steps": max(1, args.steps),
@@ -367,20 +375,31 @@ def headline_values(doc: dict) -> dict:
     """The worst case over ranks: ours' DoRA/LoRA step time (largest), ours' speed-up over upstream (smallest),
     ours' peak over LoRA's in % (largest); None where a rank lacks the value, and no key where the run left out an
     impl it compares. ``multi_gpu_gpu`` names the GPUs. Where the references ran: ours'
-    largest |loss − single-process loss| and the sharded norm's largest relative error (FSDP2)."""
+    largest |loss − single-process loss| and the sharded norm's largest relative error (FSDP2). A ``--quant`` run
+    (QDoRA against QLoRA) has keys of its own, ``qdora_<engine>_*``."""
     rows, engine, impls = summarize(doc), doc["config"]["engine"], set(doc["config"]["impls"])
     prefix = "multi_gpu_" + ("" if engine == "fsdp2" else f"{engine}_")
+    names = {
+        "ratio": f"{engine}_dora_over_lora_train",
+        "speed": f"{engine}_train_speedup_vs_upstream",
+        "peak": prefix + "peak_delta_over_lora_pct",
+        "single": prefix + "loss_max_abs_diff_vs_single_gpu",
+    }
+    if doc["config"].get("quant"):  # QDoRA against QLoRA: keys of their own
+        names = {"ratio": f"qdora_{engine}_over_qlora_train", "speed": f"qdora_{engine}_train_speedup_vs_upstream",
+                 "peak": f"qdora_{engine}_peak_delta_over_qlora_pct",
+                 "single": f"qdora_{engine}_loss_max_abs_diff_vs_single_gpu"}  # fmt: skip
     out = {}  # a key only where the run had the impls it compares (a run of the references alone sets no ratio)
     if {"ours", "lora"} <= impls:
-        out[f"{engine}_dora_over_lora_train"] = _worst([r["dora_over_lora"]["ours"] for r in rows], max)
-        out[prefix + "peak_delta_over_lora_pct"] = _worst([r["peak_delta_over_lora_pct"]["ours"] for r in rows], max)
+        out[names["ratio"]] = _worst([r["dora_over_lora"]["ours"] for r in rows], max)
+        out[names["peak"]] = _worst([r["peak_delta_over_lora_pct"]["ours"] for r in rows], max)
     if {"ours", "upstream"} <= impls:
-        out[f"{engine}_train_speedup_vs_upstream"] = _worst([r["speedup_vs_upstream"] for r in rows], min)
+        out[names["speed"]] = _worst([r["speedup_vs_upstream"] for r in rows], min)
     if out and doc["kind"] == "gpu":
         out["multi_gpu_gpu"] = f"{doc['config']['nproc']}x {doc.get('env', {}).get('gpu')}"
     if any(r["impl"] == "single" for r in doc["records"]):
         diffs = [r["loss_max_abs_diff_vs_single_gpu"] for r in rows]
-        out[prefix + "loss_max_abs_diff_vs_single_gpu"] = _worst(diffs, max, ".3g")
+        out[names["single"]] = _worst(diffs, max, ".3g")
     if doc.get("norm_check"):
         out["sharded_norm_rel_err_vs_unsharded"] = float(format(doc["norm_check"]["max_rel_err"], ".3g"))
     return out

@@ -111,6 +111,16 @@ def _gen(device: torch.device, *key) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(zlib.crc32(repr(key).encode()))
 
 
+def dequantized(layer) -> torch.Tensor:
+    """The weight a layer computes with. Through ``dequantize_bnb_weight``: ``dequantize_module_weight``'s CPU branch
+    re-wraps an ``Int8Params`` and loses its row scales (bitsandbytes 0.50); on a GPU the two are the same."""
+    from peft.utils.integrations import dequantize_bnb_weight
+
+    if type(layer.weight).__name__ in ("Params4bit", "Int8Params"):
+        return dequantize_bnb_weight(layer.weight, state=getattr(layer, "state", None))
+    return layer.weight
+
+
 @torch.no_grad()
 def seed_adapters(model, seed: int, init_range: float, zero_b: bool = False, adapter: str = "default") -> None:
     """Overwrite A, B and the magnitudes with values drawn per module name, identical in every implementation (and
@@ -135,7 +145,7 @@ def seed_adapters(model, seed: int, init_range: float, zero_b: bool = False, ada
         mags = getattr(module, "lora_magnitude_vector", None)
         if mags is not None and adapter in mags and not zero_b:
             m = mags[adapter].weight
-            w = module.get_base_layer().weight
+            w = dequantized(module.get_base_layer())
             noise = torch.randn(m.shape, generator=_gen(dev, seed, name, "m"), device=dev)
             m.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 0.1 * noise))
 

@@ -161,6 +161,8 @@ def build(spec: dict, rank: int, device: torch.device):
 
     dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
     base = mw.build_base(spec["model"], device, dtype)
+    if spec.get("quant"):
+        quantize(base, spec["quant"], device)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear",
                         use_dora=spec["impl"]["dora"])  # fmt: skip
     with torch.device(device):
@@ -170,6 +172,30 @@ def build(spec: dict, rank: int, device: torch.device):
     model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.base_model.model.enable_input_require_grads()
     return model
+
+
+def quantize(base, kind: str, device: torch.device) -> None:
+    """Every projection of the decoder layers as a bitsandbytes 4-bit Linear of ``kind`` (NF4 with double
+    quantization) in bf16 storage and compute, as ``BitsAndBytesConfig(bnb_4bit_quant_storage=bfloat16)`` loads it for
+    FSDP: FSDP2 shards only floating-point storage. The layer is its weight's ``module``, which keeps the quantization
+    state for FSDP2's gathered copy (a plain parameter)."""
+    import bitsandbytes as bnb
+
+    for layer in base.model.layers:
+        for parent in layer.modules():
+            for name, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=torch.bfloat16, quant_type=kind, compress_statistics=True,
+                                      quant_storage=torch.bfloat16, device="meta")  # fmt: skip
+                q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu", torch.bfloat16), requires_grad=False,
+                                             quant_type=kind, compress_statistics=True, quant_storage=torch.bfloat16,
+                                             module=q)  # fmt: skip
+                if child.bias is not None:
+                    q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+                setattr(parent, name, q.to(device))  # quantized on the move to the device
+                del child
 
 
 def batches(spec: dict, world: int, rank: int, device: torch.device) -> list:

@@ -70,14 +70,7 @@ def quantized_layers(model) -> int:
     return sum(type(m).__name__ in QUANTIZED_LAYERS for m in model.modules())
 
 
-def dequantized(layer) -> torch.Tensor:
-    """The weight a layer computes with. Through ``dequantize_bnb_weight``: ``dequantize_module_weight``'s CPU branch
-    re-wraps an ``Int8Params`` and loses its row scales (bitsandbytes 0.50); on a GPU the two are the same."""
-    from peft.utils.integrations import dequantize_bnb_weight
-
-    if type(layer.weight).__name__ in ("Params4bit", "Int8Params"):
-        return dequantize_bnb_weight(layer.weight, state=getattr(layer, "state", None))
-    return layer.weight
+dequantized = mw.dequantized  # the weight a layer computes with (also model_worker.seed_adapters')
 
 
 def to_fp32_reference(model):

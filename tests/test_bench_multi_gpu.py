@@ -52,6 +52,10 @@ def test_config_plan_and_engines():
     assert [_cfg("--engine", e)["engine"] for e in ("fsdp1", "zero2", "zero3")] == ["fsdp1", "zero2", "zero3"]
     with pytest.raises(SystemExit, match="choose from"):
         _cfg("--impls", "ours,qlora")
+    assert _cfg("--quant", "nf4")["references"] == ["single"]  # no dense norm to check a quantized base against
+    for refused in (("--engine", "fsdp1"), ("--precision", "mp")):
+        with pytest.raises(SystemExit, match="FSDP2 with --precision bf16 only"):
+            _cfg("--quant", "nf4", *refused)
     with pytest.raises(SystemExit, match="only a GPU run"):
         bench_multi_gpu.main(["--device", "cpu", "--shape", "tiny", "--headline"])
 
@@ -93,6 +97,11 @@ def test_ratios_are_medians_of_per_round_ratios_and_the_headline_is_the_worst_ra
     headline = bench_multi_gpu.headline_values(doc)
     assert headline["multi_gpu_loss_max_abs_diff_vs_single_gpu"] == pytest.approx(3e-4)  # the worst rank
     assert headline["sharded_norm_rel_err_vs_unsharded"] == pytest.approx(1.23e-7)
+    quant = dict(doc, config=_cfg("--ranks", "16,128", "--quant", "nf4"))  # QDoRA vs QLoRA: keys of their own
+    assert {"qdora_fsdp2_over_qlora_train", "qdora_fsdp2_train_speedup_vs_upstream",
+            "qdora_fsdp2_loss_max_abs_diff_vs_single_gpu"} <= set(bench_multi_gpu.headline_values(quant))  # fmt: skip
+    assert not {"fsdp2_dora_over_lora_train", "sharded_norm_rel_err_vs_unsharded"} & set(
+        bench_multi_gpu.headline_values(dict(quant, norm_check=None)))  # fmt: skip
     recs[6]["grad_proof"]["ok"] = False  # a step that did not train leaves no worst case
     assert bench_multi_gpu.headline_values(doc)["fsdp2_dora_over_lora_train"] is None
     # a run of ours and its references alone sets their keys and leaves the ratios of other runs alone
