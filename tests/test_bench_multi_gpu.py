@@ -149,3 +149,24 @@ def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
     text = out.read_text()  # no machine paths: the checkout, /tmp and site-packages are placeholders
     assert str(REPO_ROOT) not in text and tempfile.gettempdir() + "/" not in text, text[:2000]
     assert "site-packages/" not in text.replace("<site-packages>/", ""), text[:2000]
+
+
+@pytest.mark.slow
+def test_cpu_smoke_qdora_under_fsdp2(tmp_path):
+    """``--quant nf4``: the decoder projections bitsandbytes NF4 in bf16 storage, QDoRA and QLoRA under FSDP2 on two
+    gloo processes, every step proved, and ours in one process on the global batch with the same losses."""
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path / "multi_gpu_qdora.json"
+    rc = bench_multi_gpu.main([
+        "--device", "cpu", "--shape", "tiny", "--layers", "2", "--ranks", "4", "--seq", "16", "--steps", "1",
+        "--warmup", "1", "--rounds", "1", "--nproc", "2", "--impls", "ours,lora", "--use-installed", "--quant", "nf4",
+        "--workdir", str(tmp_path / "work"), "--out", str(out),
+    ])  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert rc == 0 and not doc["errors"], doc["errors"]
+    assert {r["impl"] for r in doc["records"]} == {"ours", "lora", "single"} and "norm_check" not in doc
+    assert all(r["grad_proof"]["ok"] for r in doc["records"])
+    ours = next(r for r in doc["records"] if r["impl"] == "ours")
+    assert ours["tiers"].get("w_sq_reused") and ours["tiers"].get("norm_reused")  # kept on the packed shards
+    assert doc["summary"][0]["loss_max_abs_diff_vs_single_gpu"] <= 1e-4
+    assert set(doc["headline"]) >= {"qdora_fsdp2_over_qlora_train", "qdora_fsdp2_loss_max_abs_diff_vs_single_gpu"}
