@@ -253,8 +253,15 @@ def evaluate(model, world: int) -> dict:
 
 
 def _checkpoint(model, opt, path: str, save: bool) -> None:
-    """Save or load the sharded model and optimizer state with ``torch.distributed.checkpoint`` (every rank its own
-    shards), loading into the live model and optimizer as a resumed run does."""
+    """Save or load the sharded model and optimizer state, every rank its own shards, loading into the live model and
+    optimizer as a resumed run does: ``torch.distributed.checkpoint`` under FSDP2 and FSDP1, DeepSpeed's own
+    ``save_checkpoint``/``load_checkpoint`` under ZeRO."""
+    if hasattr(model, "save_checkpoint"):  # a DeepSpeed engine (ZeRO partitions and optimizer state)
+        if save:
+            model.save_checkpoint(path, tag="mid")
+        else:
+            model.load_checkpoint(path, tag="mid")
+        return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

@@ -210,15 +210,22 @@ def test_fsdp2_magnitude_zero_test_started_by_the_step_hook(tmp_path):
     assert answers == [i != 3 for i in range(MODULES)] and reads == MODULES
 
 
-def test_fsdp2_resume_from_a_sharded_checkpoint(tmp_path):
-    """Mid-run, a sharded checkpoint (``torch.distributed.checkpoint``, model and AdamW state), three steps on other
-    data, then the checkpoint loaded into the live model and optimizer: the next losses are the uninterrupted run's.
-    Loading writes the shards behind every kept norm and ``‖W‖²``, which must then be computed again."""
-    flags = ("--optim", "adamw", "--checkpointing", "1")
+@pytest.mark.parametrize("engine", ("fsdp2", "zero2", "zero3"))
+def test_resume_from_a_sharded_checkpoint(tmp_path, engine):
+    """Mid-run, a sharded checkpoint (``torch.distributed.checkpoint`` under FSDP2, DeepSpeed's own under ZeRO; model
+    and AdamW state), three steps on other data, then the checkpoint loaded into the live model and optimizer: the
+    next losses are the uninterrupted run's. Under FSDP2, loading writes the shards behind every kept norm and
+    ``‖W‖²``, which must then be computed again. (FSDP1 through ``torch.distributed.checkpoint`` resumes as exactly
+    with the worker's ``--engine fsdp1 --resume 1``; it is not run here: one of its launches once aborted in a gloo
+    process under pytest, not reproduced in twenty more.)"""
+    if engine.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    flags = ("--optim", "adamw", "--checkpointing", "1", "--engine", engine)
     resumed = _train(tmp_path, 2, *flags, "--resume", "1")
     straight = _train(tmp_path, 2, *flags)
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"]), rtol=0, atol=1e-6)
-    assert resumed["counts"][10].get("w_sq_computed") == MODULES  # the load wrote W's shards: ||W||^2 again
+    if engine == "fsdp2":
+        assert resumed["counts"][10].get("w_sq_computed") == MODULES  # the load wrote W's shards: ||W||^2 again
 
 
 def test_fsdp2_fused_tiers_under_the_interpreter(tmp_path):
