@@ -174,28 +174,27 @@ def build(spec: dict, rank: int, device: torch.device):
     return model
 
 
-def quantize(base, kind: str, device: torch.device) -> None:
+def quantize(base, kind: str, device, dtype: torch.dtype = torch.bfloat16) -> None:
     """Every projection of the decoder layers as a bitsandbytes 4-bit Linear of ``kind`` (NF4 with double
-    quantization) in bf16 storage and compute, as ``BitsAndBytesConfig(bnb_4bit_quant_storage=bfloat16)`` loads it for
-    FSDP: FSDP2 shards only floating-point storage. The layer is its weight's ``module``, which keeps the quantization
-    state for FSDP2's gathered copy (a plain parameter)."""
+    quantization, or FP4) in ``dtype`` storage and compute, as ``BitsAndBytesConfig(bnb_4bit_quant_storage=...)``
+    loads it for FSDP: FSDP2 shards only floating-point storage. The layer is its weight's ``module``, which keeps the
+    quantization state for FSDP2's gathered copy (a plain parameter). Also the CPU tests' QDoRA model (fp32)."""
     import bitsandbytes as bnb
 
+    nested = kind == "nf4"
     for layer in base.model.layers:
         for parent in layer.modules():
             for name, child in list(parent.named_children()):
                 if type(child) is not torch.nn.Linear:
                     continue
                 q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                      compute_dtype=torch.bfloat16, quant_type=kind, compress_statistics=True,
-                                      quant_storage=torch.bfloat16, device="meta")  # fmt: skip
-                q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu", torch.bfloat16), requires_grad=False,
-                                             quant_type=kind, compress_statistics=True, quant_storage=torch.bfloat16,
-                                             module=q)  # fmt: skip
+                                      compute_dtype=dtype, quant_type=kind, compress_statistics=nested,
+                                      quant_storage=dtype, device="meta")  # fmt: skip
+                q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu", dtype), requires_grad=False, quant_type=kind,
+                                             compress_statistics=nested, quant_storage=dtype, module=q)  # fmt: skip
                 if child.bias is not None:
                     q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
                 setattr(parent, name, q.to(device))  # quantized on the move to the device
-                del child
 
 
 def batches(spec: dict, world: int, rank: int, device: torch.device) -> list:

@@ -49,24 +49,17 @@ def build(dora: bool = True, quant: Optional[str] = None):
 
 
 def quantize(base, kind: str) -> None:
-    """Every projection of the decoder layers as a bitsandbytes 4-bit Linear (``nf4`` with double quantization, or
-    ``fp4``) with fp32 storage and compute: FSDP2 shards only floating-point storage (bitsandbytes' FSDP recipe,
-    ``quant_storage``), and fp32 keeps the comparison with one process tight. The layer is the weight's ``module``,
-    which keeps its quantization state for when FSDP2's gathered copy has lost it."""
-    import bitsandbytes as bnb
+    """Every projection of the decoder layers a bitsandbytes 4-bit Linear in fp32 storage and compute (fp32 keeps the
+    comparison with one process tight): the multi-GPU benchmark's ``multi_gpu_worker.quantize``."""
+    import sys
+    from pathlib import Path
 
-    for layer in base.model.layers:
-        for parent in layer.modules():
-            for name, child in list(parent.named_children()):
-                if type(child) is not torch.nn.Linear:
-                    continue
-                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                      compute_dtype=torch.float32, quant_type=kind, compress_statistics=kind == "nf4",
-                                      quant_storage=torch.float32)  # fmt: skip
-                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type=kind,
-                                             compress_statistics=kind == "nf4", quant_storage=torch.float32,
-                                             module=q)  # fmt: skip
-                setattr(parent, name, q.to("cpu"))  # quantized on the move to the device
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+    try:
+        from multi_gpu_worker import quantize as bench_quantize
+    finally:
+        sys.path.pop(0)
+    bench_quantize(base, kind, "cpu", torch.float32)
 
 
 def main() -> int:
