@@ -747,6 +747,7 @@ def task_convergence(spec, impl, cfg, device) -> dict:
 COMPONENTS = {"dora.norm": "norm", "dora.compose": "compose", "lora.A": "lora_A", "lora.B": "lora_B"}
 # Kernel (or, on CPU, op) name patterns for a coarse split of the step's time; first match wins.
 KERNEL_CLASSES = (
+    ("nccl", r"nccl"),  # collectives (profile_multi_gpu.py): before "reduction", which ReduceScatter would match
     ("attention", r"flash|fmha|attention|sdpa"),
     ("triton", r"triton"),
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|sm90_|aten::mm|aten::addmm|aten::bmm|aten::linear"),

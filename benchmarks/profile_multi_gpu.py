@@ -33,23 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_multi_gpu as bmg  # noqa: E402
 import model_worker as mw  # noqa: E402
 import multi_gpu_worker as mgw  # noqa: E402
+from profile_step import top  # noqa: E402
 
 
 VARIANTS = ("lora", "ours", "ours_whole_norm", "ours_own_group", "ours_eager")
 _OWN_GROUP = []
-
-
-def kernel_class(name: str) -> str:
-    low = name.lower()
-    if "nccl" in low:
-        return "nccl"
-    if any(k in low for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "matmul")):
-        return "gemm"
-    if "triton" in low or low.startswith("_dora") or "dora" in low:
-        return "triton"
-    if "flash" in low or "attention" in low or "fmha" in low:
-        return "attention"
-    return "other"
 
 
 def profile_step(step, steps: int) -> dict:
@@ -61,14 +49,11 @@ def profile_step(step, steps: int) -> dict:
             step()
         if cuda:
             torch.cuda.synchronize()
-    classes, kernels, host = {}, [], []
+    classes = {}
     for e in prof.key_averages():
-        if e.device_type.name == "CUDA" or getattr(e, "device_time_total", 0) and e.device_type.name != "CPU":
-            t = e.device_time_total / 1000.0 / steps
-            classes[kernel_class(e.key)] = classes.get(kernel_class(e.key), 0.0) + t
-            kernels.append([e.key[:110], round(e.count / steps, 1), round(t, 3)])
-        elif e.self_cpu_time_total > 0:
-            host.append([e.key[:110], round(e.count / steps, 1), round(e.self_cpu_time_total / 1000.0 / steps, 3)])
+        if e.device_type.name == "CUDA":
+            label = mw.kernel_class(e.key)
+            classes[label] = classes.get(label, 0.0) + e.device_time_total / 1000.0 / steps
     # busy time per stream from the raw kernel events (overlapping NCCL and compute streams counted apart)
     busy: dict = {}
     for ev in prof.events():
@@ -79,8 +64,8 @@ def profile_step(step, steps: int) -> dict:
     return {
         "classes_ms": {k: round(v, 3) for k, v in sorted(classes.items())},
         "busy_ms_per_stream": {k: round(v, 3) for k, v in sorted(busy.items())},
-        "kernels": sorted(kernels, key=lambda r: -r[2])[:25],
-        "host": sorted(host, key=lambda r: -r[2])[:20],
+        "kernels": top(prof, steps, device=True, n=25),
+        "host": top(prof, steps, device=False),
     }
 
 

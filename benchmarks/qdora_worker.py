@@ -70,16 +70,13 @@ def quantized_layers(model) -> int:
     return sum(type(m).__name__ in QUANTIZED_LAYERS for m in model.modules())
 
 
-dequantized = mw.dequantized  # the weight a layer computes with (also model_worker.seed_adapters')
-
-
 def to_fp32_reference(model):
     """Every bnb layer replaced by an fp32 ``nn.Linear`` holding its dequantized weight: the reference computes with
     the very weights the quantized runs use and differs from them only in arithmetic precision."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child).__name__ in QUANTIZED_LAYERS:
-                w = dequantized(child).float()
+                w = mw.dequantized(child).float()
                 dense = torch.nn.Linear(w.shape[1], w.shape[0], bias=child.bias is not None, device=w.device)
                 dense.weight.data.copy_(w)
                 if child.bias is not None:
@@ -115,7 +112,7 @@ def seed_adapters(model, seed: int, init_range: float) -> None:
         b.copy_(torch.randn(b.shape, generator=mw._gen(dev, seed, name, "B"), device=dev) * std)
         mags = getattr(module, "lora_magnitude_vector", None)
         if mags is not None and "default" in mags:
-            w = dequantized(module.get_base_layer()).float()
+            w = mw.dequantized(module.get_base_layer()).float()
             noise = torch.randn(w.shape[0], generator=mw._gen(dev, seed, name, "m"), device=dev)
             mags["default"].weight.copy_(torch.linalg.vector_norm(w, dim=1) * (1 + 0.1 * noise))
 

@@ -694,24 +694,22 @@ class DoraLinearVariant(_DoraVariantBase):
         lora_A, lora_B = modules["lora_A"]._modules[active_adapter], modules["lora_B"]._modules[active_adapter]
         scaling, base_layer = module.scaling[active_adapter], _base_layer(module)
         dropout = modules["lora_dropout"]._modules[active_adapter]
+        adapted_output = dora_layer.adapted_output
         if dora_dist.fsdp1_unit(dora_layer) or dora_dist.fsdp1_unit(lora_A) or dora_dist.fsdp1_unit(lora_B):
             # FSDP1 units of their own (PEFT's fsdp_auto_wrap_policy): m, A and B are whole only inside their own
             # forwards, so the magnitude module is called (upstream's route), not its methods
-            branch = module.training and dora_settings.current().dropout == "branch"
-            exact = module.training and not branch and not isinstance(dropout, nn.Identity)
-            return result + dora_layer(
-                dropout(x) if module.training else x, lora_A=lora_A, lora_B=lora_B, scaling=scaling,
-                base_layer=base_layer, base_result=None if exact else result, adapter_name=active_adapter,
-            )  # fmt: skip
+            def adapted_output(x, result, **kwargs):
+                return result + dora_layer(x, base_result=result, **kwargs)
+
         if not module.training or isinstance(dropout, nn.Identity):
-            return dora_layer.adapted_output(
+            return adapted_output(
                 x, result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,
                 adapter_name=active_adapter,
             )  # fmt: skip
         if dora_settings.current().dropout == "branch":
             # PEFT_DORA_DROPOUT=branch: dropout on the LoRA branch's input only, y = g·(W·x + s·B·A·dropout(x)),
             # which is the no-dropout path with a dropped-out branch input (no second base matmul)
-            return dora_layer.adapted_output(
+            return adapted_output(
                 dropout(x), result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,
                 adapter_name=active_adapter,
             )  # fmt: skip

@@ -48,18 +48,23 @@ def build(dora: bool = True, quant: Optional[str] = None):
     return get_peft_model(base, lora)
 
 
-def quantize(base, kind: str) -> None:
-    """Every projection of the decoder layers a bitsandbytes 4-bit Linear in fp32 storage and compute (fp32 keeps the
-    comparison with one process tight): the multi-GPU benchmark's ``multi_gpu_worker.quantize``."""
+def _bench_worker():
+    """``benchmarks/multi_gpu_worker``, whose QDoRA model and sharded-norm check these tests share."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
     try:
-        from multi_gpu_worker import quantize as bench_quantize
+        import multi_gpu_worker
     finally:
         sys.path.pop(0)
-    bench_quantize(base, kind, "cpu", torch.float32)
+    return multi_gpu_worker
+
+
+def quantize(base, kind: str) -> None:
+    """Every projection of the decoder layers a bitsandbytes 4-bit Linear in fp32 storage and compute (fp32 keeps the
+    comparison with one process tight): the multi-GPU benchmark's ``multi_gpu_worker.quantize``."""
+    _bench_worker().quantize(base, kind, "cpu", torch.float32)
 
 
 def main() -> int:
@@ -410,15 +415,7 @@ def zero_test_check(model, rank: int) -> dict:
 def check_norms(model) -> dict:
     """Each DoRA Linear's norm under FSDP2 against the whole norm of the gathered tensors: the multi-GPU benchmark's
     check (``benchmarks/multi_gpu_worker.check_norms``), the worst over processes."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-    try:
-        from multi_gpu_worker import check_norms as check
-    finally:
-        sys.path.pop(0)
-    return check(model)
+    return _bench_worker().check_norms(model)
 
 
 if __name__ == "__main__":
