@@ -68,7 +68,9 @@ def top(prof, steps: int, device: bool, n: int = 20) -> list:
     return sorted(rows, key=lambda r: -r[2])[:n]
 
 
-def profile_kind(base, cfg, point, dora: bool, repeats: int, device: torch.device) -> tuple[dict, object]:
+def profile_kind(
+    base, cfg, point, dora: bool, repeats: int, device: torch.device, compile_mode=None
+) -> tuple[dict, object]:
     impl = {"name": "dora" if dora else "lora", "dora": dora}
     modules = list(bm.GRID_TARGETS[point["targets"]])
     model = mw.wrap(base, cfg, point["rank"], impl, point["mode"], modules, point["dropout"])
@@ -78,11 +80,12 @@ def profile_kind(base, cfg, point, dora: bool, repeats: int, device: torch.devic
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-6, foreach=True)
     phases: dict = {"forward": [], "backward": [], "optimizer": []}
+    forward = mw.compiled_call(model, compile_mode)
 
     def step(record: bool = False):
         t0 = time.perf_counter()
         with mw.precision_ctx(point["mode"], device):
-            loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+            loss = forward(input_ids=ids, labels=labels, use_cache=False).loss
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -134,6 +137,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda", help="cuda; cpu runs every code path (a smoke test, no timings)")
     p.add_argument("--layers", type=int, help="override the shape's decoder layers (a CPU smoke: 1)")
+    p.add_argument("--compile", help="torch.compile mode for both kinds (default, max-autotune-no-cudagraphs, ...)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     import transformers
@@ -143,7 +147,7 @@ def main() -> int:
     device = torch.device(args.device)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else None
     env = {"peft": Path(peft.__file__).parent.parent.name, "torch": torch.__version__,
-           "transformers": transformers.__version__, "gpu": gpu}  # fmt: skip
+           "transformers": transformers.__version__, "gpu": gpu, "compile": args.compile}  # fmt: skip
     result = {"env": env, "points": {}}
     bases: dict = {}
     for label in [s.strip() for s in args.points.split(";") if s.strip()]:
@@ -159,7 +163,7 @@ def main() -> int:
         base = bases[point["shape"]]
         out = {}
         for kind in ("lora", "dora", "lora_again"):
-            res, base = profile_kind(base, cfg, point, kind == "dora", args.repeats, device)
+            res, base = profile_kind(base, cfg, point, kind == "dora", args.repeats, device, args.compile)
             base.disable_input_require_grads()
             out[kind] = res
             mw.release()

@@ -245,6 +245,8 @@ class DoraLinearLayer(nn.Module):
                 weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
             lora = _lora_output(lora_A, lora_B, x)
             gates = LinearGates(result, magnitude, (lora,), False, self.training)
+        elif torch.compiler.is_compiling():
+            return self._traced_output(x, result, weight, *plain, magnitude, bias, scaling, adapter_name)
         else:
             weight_a, weight_b = plain
             lora = None
@@ -304,6 +306,23 @@ class DoraLinearLayer(nn.Module):
         g = self._scale(weight_norm, weight.dtype)
         base_result = result if bias is None else result - bias
         return result + self._compose(lora, base_result, g, scaling, gates)
+
+    def _traced_output(self, x, result, weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name):
+        """The adapted output as torch.compile traces it, for a plain LoRA branch: ``g = m / norm`` scales B's rows
+        rather than the ``[tokens, d_out]`` LoRA output, ``y = result + (g - 1)·(result - bias) + a·(s·g·B)ᵀ`` with
+        ``a = x·Aᵀ``, summed in fp32 and rounded once. Inductor emits one pointwise kernel for the output, as for
+        LoRA's ``result + s·lora``; in the backward the LoRA output's gradient is ``d_y`` itself, and DoRA adds
+        ``d_result = g·d_y`` with the column sum for ``d_g`` (one kernel) and ``[d_out, r]``-sized work. Composing
+        the ``[tokens, d_out]`` LoRA output instead wrote and read two more activation-sized tensors per module in
+        the backward."""
+        weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
+        g = magnitude_scale(magnitude, weight_norm, weight.dtype)
+        a = F.linear(x, weight_a)
+        lora = F.linear(a, ((g * float(scaling)).unsqueeze(-1) * weight_b).to(a.dtype))
+        acc = torch.promote_types(g.dtype, torch.float32)
+        base = result if bias is None else result - bias
+        out = result.to(acc) + (g - 1) * base.to(acc) + lora.to(acc)
+        return out.to(torch.promote_types(result.dtype, lora.dtype))
 
     def _compose(self, lora, base, g, scaling, gates: Optional[LinearGates] = None) -> torch.Tensor:
         """The DoRA delta ``(g - 1)·base + g·(s·lora)`` on the tier ``dora_dispatch.compose_tier`` picks; ``lora``

@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .dora_graph import NormGraph, same_objects
+from .dora_graph import NormGraph, StorageNormGraph, same_objects
 
 
 norm_counts: collections.Counter = collections.Counter()
@@ -194,14 +194,24 @@ _STORAGE_MEMOS_MAX = 1 << 14  # past this many entries, those whose storage is g
 def storage_memo(what: str, tensors, frozen: bool = False) -> StorageMemo:
     """The :class:`StorageMemo` for ``what`` of these tensors (by storage and offset): one per module's norm, kept
     in one process-wide table, for callers that hold no module (a custom op's implementation)."""
+    return _storage_entry(what, tensors, lambda: StorageMemo(frozen))
+
+
+def storage_graph(tensors) -> StorageNormGraph:
+    """The :class:`dora_graph.StorageNormGraph` of the norm of these tensors (by storage and offset), from the same
+    process-wide table as :func:`storage_memo`'s."""
+    return _storage_entry("norm_graph", tensors, StorageNormGraph)
+
+
+def _storage_entry(what: str, tensors, make):
     key = (what,) + tuple((t.untyped_storage()._cdata, t.storage_offset()) for t in tensors)
-    memo = _storage_memos.get(key)
-    if memo is None:
+    entry = _storage_memos.get(key)
+    if entry is None:
         if len(_storage_memos) >= _STORAGE_MEMOS_MAX:
             for k in [k for k, m in _storage_memos.items() if m.dead()]:
                 del _storage_memos[k]
-        memo = _storage_memos[key] = StorageMemo(frozen)
-    return memo
+        entry = _storage_memos[key] = make()
+    return entry
 
 
 def source(t: torch.Tensor) -> torch.Tensor:

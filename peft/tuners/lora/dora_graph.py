@@ -36,6 +36,7 @@ import weakref
 from typing import Callable, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 graph_counts: collections.Counter = collections.Counter()
@@ -87,12 +88,16 @@ class NormGraph:
     def _same(self, tensors, extra) -> bool:
         return same_objects(self.refs, tensors) and _key(tensors, extra) == self.key
 
+    @staticmethod
+    def _refs(tensors) -> tuple:
+        return tuple(weakref.ref(t) for t in tensors)
+
     def run(self, tensors, extra, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``compute()`` (a no-grad function of ``tensors``, CUDA tensors of one device, and of ``extra``: anything
         else it reads must be part of ``extra``), replayed from a graph where these inputs repeat."""
         if not self._same(tensors, extra):
             self.clear()
-            self.key, self.refs = _key(tensors, extra), tuple(weakref.ref(t) for t in tensors)
+            self.key, self.refs = _key(tensors, extra), self._refs(tensors)
             return compute()
         if self.failed:
             return compute()
@@ -132,3 +137,29 @@ class NormGraph:
         graph.replay()
         graph_counts["replayed"] += 1
         return out.clone()
+
+
+class StorageNormGraph(NormGraph):
+    """A :class:`NormGraph` for a caller that holds no layer (the torch.compile norm op, ``dora_norm``): its inputs
+    are identified by their live storage (weak references) rather than the tensor objects, which a compiled graph
+    hands over as fresh aliases of the parameters. A graph reads its inputs' addresses, so a replay for tensors with
+    the captured data pointers, shapes, strides and dtypes computes from their current values."""
+
+    __slots__ = ()
+
+    def _same(self, tensors, extra) -> bool:
+        refs = self.refs
+        if len(refs) != len(tensors):
+            return False
+        for ref in refs:
+            if ref.expired():
+                return False
+        return _key(tensors, extra) == self.key
+
+    @staticmethod
+    def _refs(tensors) -> tuple:
+        return tuple(StorageWeakRef(t.untyped_storage()) for t in tensors)
+
+    def dead(self) -> bool:
+        """Nothing kept, or a storage it was keyed on is gone (its table drops it)."""
+        return not self.refs or any(ref.expired() for ref in self.refs)
