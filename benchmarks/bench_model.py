@@ -944,6 +944,7 @@ def compiled_headline_values(doc: dict) -> dict:
         "compiled_recompiles_after_warmup": recompiles,
         "compiled_mode": cfg["compile"],
         "compiled_points": len(points),
+        "compiled_gpu": (doc.get("env") or {}).get("gpu"),
     }
 
 

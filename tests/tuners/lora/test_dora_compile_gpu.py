@@ -118,36 +118,34 @@ def test_compiled_dora_compiles_once_per_mode(mode, precision, dropout):
 
 @pytest.mark.parametrize("precision", ("bf16", "autocast"))
 def test_compiled_training_replays_norm_graphs_that_follow_updates(precision):
-    """A compiled training step computes each module's norm by replaying a CUDA graph (the norm op's, keyed by the
-    parameters' storage), and the graphs read the values AdamW writes in place: over several steps the compiled
-    model's losses and final adapter weights equal the eager model's. A graph that replayed stale inputs, or a norm
-    kept across steps, would drift from the eager losses after the first update."""
+    """A compiled training forward computes each module's norm by replaying a CUDA graph (the norm op's, keyed by the
+    parameters' storage), and the graphs read what is written into the parameters in place: after every AdamW step,
+    and after B is scaled by 1.5 in place (a norm change far above bf16 noise), the compiled training forward equals
+    the same model's eager one. A graph that replayed stale inputs, or a norm kept across steps, would not."""
     from peft.tuners.lora import dora
 
-    steps = 8
+    steps = 6
     model = _model(precision, 0.0)
-    eager = copy.deepcopy(model)
     compiled = torch.compile(model, fullgraph=True)
-    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, eager)]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     x = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "autocast")
     replays = 0
     for step in range(steps):
-        losses = []
-        for forward, opt in ((compiled, opts[0]), (eager, opts[1])):
-            before = dora.graph_counts["replayed"]
-            with autocast:
-                loss = forward(x).float().square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            if forward is compiled:
-                replays += dora.graph_counts["replayed"] - before
-        assert abs(losses[0] - losses[1]) <= 1e-2 * abs(losses[1]), (step, losses)
-    # two DoRA modules; each computes eagerly on its first step and captures (and replays once) on its second
-    assert replays >= 2 * (steps - 1)
-    params = dict(eager.named_parameters())
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            assert _rel_err(p, params[name]) < 2e-2, name
+        before = dora.graph_counts["replayed"]
+        with autocast:
+            out = compiled(x)
+        replays += dora.graph_counts["replayed"] - before
+        with autocast:
+            ref = model(x)  # eager, same parameters
+        err = _rel_err(out, ref)
+        assert err < 2e-2, (step, err)
+        out.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(1.5)
+    # two DoRA modules; each computes eagerly on its first forward, captures (and replays once) on its second
+    assert replays >= 2 * (steps - 1), replays
