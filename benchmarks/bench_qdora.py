@@ -122,7 +122,7 @@ def resolve_config(args) -> dict:
         "warmup": max(1, pick(args.warmup, 2, 1)),  # >= 1: the static allocation must hold AdamW's state
         "repeats": pick(args.repeats, 5, 2),
         "prompt_tokens": pick(None, 128, 8),
-        "decode_warmup": pick(None, 4, 1),
+        "decode_warmup": pick(None, 16, 1),
         "decode_tokens": pick(None, 32, 3),
         "rounds": max(1, args.rounds),
         "lr": 1e-5,

@@ -12,7 +12,6 @@ cannot shadow the installed package.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import json
 import math
@@ -151,19 +150,21 @@ def time_training(model, ids, cfg: dict, ctx, device) -> dict:
 
 @torch.no_grad()
 def time_decode(model, ids, cfg: dict, ctx, device) -> dict:
-    """Prefill ``prompt_tokens`` into a KV cache (untimed), then one-token forwards: ``decode_warmup`` untimed, then
-    ``decode_tokens`` each timed; ms per token."""
+    """Prefill ``prompt_tokens`` into a KV cache (untimed), then one-token forwards: ``decode_warmup`` warm-up
+    tokens, then ``decode_tokens`` timed ones; ms per token. The warm-up tokens' times are kept too
+    (``warmup_ms``): in the H200 runs of 2026-11-25 the first decode measured in each worker process, QDoRA's in one
+    round and QLoRA's in the other, ran 4-7x slower than every later one, through all its timed tokens."""
     from transformers import DynamicCache
 
     cache, kv = DynamicCache(config=model.config), mw.cache_kwarg(model)
-    timer, times, before = mw.Timer(device), [], mw.tier_counts()
+    timer, times, warm, before = mw.Timer(device), [], [], mw.tier_counts()
     with ctx():
         model(input_ids=ids[:, : cfg["prompt_tokens"]], use_cache=True, **{kv: cache})
         for i in range(cfg["decode_warmup"] + cfg["decode_tokens"]):
-            with timer.region(times) if i >= cfg["decode_warmup"] else contextlib.nullcontext():
+            with timer.region(times if i >= cfg["decode_warmup"] else warm):
                 model(input_ids=ids[:, -1:], use_cache=True, **{kv: cache})
     tiers = {k: v - before.get(k, 0) for k, v in mw.tier_counts().items() if v != before.get(k, 0)}
-    return dict(mw.summary(times), tiers=tiers)
+    return dict(mw.summary(times), tiers=tiers, warmup_ms=[round(t, 3) for t in warm])
 
 
 def measure_config(model, cfg: dict, mode: str, device) -> dict:
