@@ -261,7 +261,8 @@ class LayerReuse:
     """Everything one DoRA layer keeps across forwards, and which of it wins. The norm of a forward is, in order:
 
     1. under torch.compile: ``peft::dora_weight_norm`` (``dora_norm``), which keeps its values by storage
-       (:class:`StorageMemo`); nothing below is read or written;
+       (:class:`StorageMemo`) and replays a training norm from a graph keyed the same way (:func:`storage_graph`);
+       nothing below is read or written;
     2. ``norm``: the previous norm, where ``dora_norm.reuse_mode`` allows reuse and W, A, B and s provably hold;
     3. the layer's ``_dora_cache`` (upstream's name, which its tests read): ``ENABLE_DORA_CACHING``
        (``peft.helpers.DoraCaching``) in eval mode, per adapter, kept until ``train()`` whatever happens to the
