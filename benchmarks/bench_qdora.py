@@ -122,7 +122,7 @@ def resolve_config(args) -> dict:
         "warmup": max(1, pick(args.warmup, 2, 1)),  # >= 1: the static allocation must hold AdamW's state
         "repeats": pick(args.repeats, 5, 2),
         "prompt_tokens": pick(None, 128, 8),
-        "decode_warmup": pick(None, 16, 1),
+        "decode_warmup": 1,  # untimed decode passes over the timed cache lengths (qdora_worker.time_decode)
         "decode_tokens": pick(None, 32, 3),
         "rounds": max(1, args.rounds),
         "lr": 1e-5,
@@ -170,7 +170,7 @@ def config_s(cfg: dict, impl: str, kind: str, quant: str, rank: int) -> float:
     upstream_dora = impl == "upstream" and kind == "qdora"
     flops, dense = bench_model.forward_flops(cfg["model"], cfg["batch"], cfg["seq"], rank, PROJECTIONS, upstream_dora)
     fwd = (flops * QUANT_SLOWDOWN[quant] + dense) / bench_model.EFFECTIVE_FLOPS
-    tokens = cfg["decode_warmup"] + cfg["decode_tokens"]
+    tokens = (cfg["decode_warmup"] + 1) * cfg["decode_tokens"]
     decode = tokens * cfg["model"]["num_hidden_layers"] * DECODE_S_PER_LAYER * (1 + upstream_dora)
     return SETUP_S + (cfg["warmup"] + cfg["repeats"]) * 5 * fwd + fwd * cfg["prompt_tokens"] / cfg["seq"] + decode
 

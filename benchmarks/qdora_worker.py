@@ -150,21 +150,27 @@ def time_training(model, ids, cfg: dict, ctx, device) -> dict:
 
 @torch.no_grad()
 def time_decode(model, ids, cfg: dict, ctx, device) -> dict:
-    """Prefill ``prompt_tokens`` into a KV cache (untimed), then one-token forwards: ``decode_warmup`` warm-up
-    tokens, then ``decode_tokens`` timed ones; ms per token. The warm-up tokens' times are kept too
-    (``warmup_ms``): in the H200 runs of 2026-11-25 the first decode measured in each worker process, QDoRA's in one
-    round and QLoRA's in the other, ran 4-7x slower than every later one, through all its timed tokens."""
+    """Per token of a one-token decode: ``decode_warmup`` untimed passes, then one timed pass; each pass prefills
+    ``prompt_tokens`` into a fresh KV cache and extends it by ``decode_tokens`` one-token forwards, so the timed
+    tokens run at cache lengths the process has already seen. The first forward at a new length costs ~20-45 ms
+    more (``model_worker.decode_step_paired``): with the timed tokens at new lengths, the first decode measured in
+    each worker process (QDoRA's in one round, QLoRA's in the other, nf4 r = 16, H200, 2026-11-25) ran 4-7x slower
+    than every later one. The last warm-up pass's token times are kept (``warmup_ms``)."""
     from transformers import DynamicCache
 
-    cache, kv = DynamicCache(config=model.config), mw.cache_kwarg(model)
-    timer, times, warm, before = mw.Timer(device), [], [], mw.tier_counts()
+    kv = mw.cache_kwarg(model)
+    timer, before = mw.Timer(device), mw.tier_counts()
+    passes = []
     with ctx():
-        model(input_ids=ids[:, : cfg["prompt_tokens"]], use_cache=True, **{kv: cache})
-        for i in range(cfg["decode_warmup"] + cfg["decode_tokens"]):
-            with timer.region(times if i >= cfg["decode_warmup"] else warm):
-                model(input_ids=ids[:, -1:], use_cache=True, **{kv: cache})
+        for _ in range(cfg["decode_warmup"] + 1):
+            cache, times = DynamicCache(config=model.config), []
+            model(input_ids=ids[:, : cfg["prompt_tokens"]], use_cache=True, **{kv: cache})
+            for _ in range(cfg["decode_tokens"]):
+                with timer.region(times):
+                    model(input_ids=ids[:, -1:], use_cache=True, **{kv: cache})
+            passes.append(times)
     tiers = {k: v - before.get(k, 0) for k, v in mw.tier_counts().items() if v != before.get(k, 0)}
-    return dict(mw.summary(times), tiers=tiers, warmup_ms=[round(t, 3) for t in warm])
+    return dict(mw.summary(passes[-1]), tiers=tiers, warmup_ms=[round(t, 3) for t in passes[-2]])
 
 
 def measure_config(model, cfg: dict, mode: str, device) -> dict:
