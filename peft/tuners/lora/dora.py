@@ -34,7 +34,6 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 
 from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
-from peft.utils.other import transpose
 
 from . import dora_decode, dora_dist, dora_fused, dora_norm, dora_quant, dora_settings
 from .dora_cache import KeyedMemo, LayerReuse, capturing, memoised, prefetch_zero_test, reused, source, watch_merges
@@ -188,7 +187,7 @@ class DoraLinearLayer(nn.Module):
         ``dora_quant.QuantizedWeight``)."""
         if isinstance(weight, dora_quant.QuantizedWeight):
             return dora_quant.row_norm(weight, lora_A, lora_B, scaling, w_sq=w_sq)
-        return factored_row_norm(transpose(weight, self.fan_in_fan_out), lora_A, lora_B, scaling, w_sq=w_sq)
+        return factored_row_norm(_oriented(weight, self.fan_in_fan_out), lora_A, lora_B, scaling, w_sq=w_sq)
 
     def update_layer(self, *, base_layer, lora_A, lora_B, scaling, place_on_cpu=False) -> None:
         """Create the magnitude vector: the row norm of the adapted weight, ``||W + s·B·A||_row``."""
@@ -339,7 +338,7 @@ class DoraLinearLayer(nn.Module):
 
     def _base_chunks(self, x, weight, lora_result, g, scaling) -> torch.Tensor:
         """Dropout path: ``base = W·dropout(x)`` computed and composed in output slices of PEFT_DORA_FWD_CHUNK_MB."""
-        weight = transpose(weight, self.fan_in_fan_out)
+        weight = _oriented(weight, self.fan_in_fan_out)
         if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             # autocast runs the matmul in its own dtype: a cast here would copy W to x's (fp32) dtype every forward
             weight = weight.to(x.dtype)
@@ -408,7 +407,7 @@ class DoraLinearLayer(nn.Module):
         """(W, A, B) as ``factored_row_norm`` takes them, or None where the norm is not a single factored row norm."""
         if isinstance(weight, dora_quant.QuantizedWeight):
             return None  # chunked dequantization, traced as PyTorch and bitsandbytes ops under torch.compile
-        return transpose(weight, self.fan_in_fan_out), lora_A, lora_B
+        return _oriented(weight, self.fan_in_fan_out), lora_A, lora_B
 
     def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
         reuse = self._reuse
@@ -421,7 +420,7 @@ class DoraLinearLayer(nn.Module):
                                 extra=weight.versions)  # fmt: skip
         else:
             sources, graph_weight = (weight,), weight
-            w = transpose(weight, self.fan_in_fan_out)
+            w = _oriented(weight, self.fan_in_fan_out)
             if not weight.requires_grad and dora_norm.w_sq_reusable(w, lora_A, lora_B):
                 # a frozen W keeps its ||W||²_row across optimizer steps (they skip it): only cross and Gram are new
                 w_sq = memoised(reuse.w_sq, "any", "w_sq", sources, lambda: row_sq_norm(w))
@@ -863,6 +862,13 @@ def _forward_weight(base_layer: nn.Module):
         return weight
     quantized = dora_quant.quantized_weight(base_layer)
     return quantized if quantized is not None else dequantize_module_weight(base_layer)
+
+
+def _oriented(weight: torch.Tensor, fan_in_fan_out: bool) -> torch.Tensor:
+    """The base weight as ``[d_out, d_in]``: a transposed view where it is stored ``fan_in_fan_out`` (GPT-2's
+    ``Conv1D``). Upstream's ``transpose`` wraps that view in a new ``nn.Parameter`` in every call, a leaf that asks for
+    a gradient even of a frozen weight, and which torch.compile cannot trace (a graph break per module)."""
+    return weight.T if fan_in_fan_out else weight
 
 
 def _weight_sources(weight) -> tuple:

@@ -234,3 +234,54 @@ def test_compiled_norm_reuse_is_eager_reuse(fresh_dynamo):
         out = compiled(input_ids=ids).logits
         assert dora.norm_counts["norm_computed"] >= 1
         assert_close(out, model(input_ids=ids).logits)
+
+
+def _gpt2(dora_on: bool):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=97, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    lora = LoraConfig(r=4, lora_alpha=8, use_dora=dora_on, target_modules=["c_attn", "c_proj", "c_fc"],
+                      fan_in_fan_out=True)  # fmt: skip
+    model = get_peft_model(GPT2LMHeadModel(config), lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+            if "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.1 * torch.randn_like(p))
+    return model
+
+
+def _gpt2_frames(model, ids) -> list:
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    frames = []
+    for _ in range(3):
+        compiled(input_ids=ids, labels=ids).loss.backward()
+        frames.append(counter.frame_count)
+    return frames
+
+
+def test_compiled_gpt2_conv1d_compiles_as_lora_does(fresh_dynamo):
+    """GPT-2's ``Conv1D`` projections (``fan_in_fan_out``: the base weight stored transposed, with a bias) compile
+    into as many frames as LoRA's, none after the first call: upstream's ``transpose`` wrapped the weight in a new
+    ``nn.Parameter`` per call, a graph break per module (30 frames against LoRA's 2). Losses and every gradient
+    equal eager's."""
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+    lora_frames = _gpt2_frames(_gpt2(False), ids)
+    torch._dynamo.reset()
+    model = _gpt2(True)
+    eager = copy.deepcopy(model)
+    frames = _gpt2_frames(model, ids)
+    assert frames == lora_frames and len(set(frames)) == 1
+    for _ in range(3):
+        eager(input_ids=ids, labels=ids).loss.backward()
+    compiled_loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
+    assert_close(compiled_loss, eager(input_ids=ids, labels=ids).loss)
+    expected = _grads(eager)
+    grads = _grads(model)
+    assert expected.keys() == grads.keys() and any("lora_magnitude_vector" in n for n in grads)
+    for name in expected:
+        assert_close(grads[name], expected[name], scale=3)
