@@ -285,3 +285,47 @@ def test_compiled_gpt2_conv1d_compiles_as_lora_does(fresh_dynamo):
     assert expected.keys() == grads.keys() and any("lora_magnitude_vector" in n for n in grads)
     for name in expected:
         assert_close(grads[name], expected[name], scale=3)
+
+
+@pytest.mark.parametrize("kind", ("nf4", "int8"))
+def test_compiled_qdora_compiles_as_qlora_does(fresh_dynamo, kind):
+    """QDoRA on bitsandbytes layers (CPU backend): as many frames as QLoRA on the same base (LLM.int8 recompiles
+    once after its first call in both, bitsandbytes' own state), none after that; 4-bit outputs and gradients equal
+    eager's within bf16 rounding (the 4-bit layers compute in bf16: the compiled output's fp32 rounding differs from
+    eager's in the last bits, which flips a few bf16 roundings of the second layer's input; bitsandbytes' 8-bit CPU
+    matmul is not reproducible across calls: frames only)."""
+    bnb_net = pytest.importorskip("dora_testing").BnbNet
+    pytest.importorskip("bitsandbytes")
+
+    def frames(dora_on: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(3)
+        config = LoraConfig(r=8, lora_alpha=16, target_modules=["up", "down"], use_dora=dora_on,
+                            init_lora_weights=False)  # fmt: skip
+        model = get_peft_model(bnb_net(kind), config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_magnitude_vector" in name:
+                    p.mul_(1 + 0.1 * torch.randn_like(p))
+        eager = copy.deepcopy(model) if kind != "int8" else None
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(model, backend=counter)
+        x = torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(0))
+        counts = []
+        for _ in range(3):
+            out = compiled(x)
+            out.float().square().mean().backward()
+            counts.append(counter.frame_count)
+            if eager is not None:
+                ref = eager(x)
+                ref.float().square().mean().backward()
+                assert_close(out, ref, dtype=torch.bfloat16)
+        if eager is not None:
+            expected, got = _grads(eager), _grads(model)
+            assert expected.keys() == got.keys() and any("lora_magnitude_vector" in n for n in got) == dora_on
+            for name in expected:
+                assert_close(got[name], expected[name], dtype=torch.bfloat16)
+        return counts
+
+    qlora = frames(False)
+    assert frames(True) == qlora and qlora[-1] == qlora[-2]
