@@ -431,9 +431,7 @@ class DoraLinearLayer(nn.Module):
         if self.training and dora_norm.norm_graph_applies(graph_weight, lora_A, lora_B):
             # training forwards recompute the norm of the same tensors, updated in place: one graph launch each (a
             # quantized weight's chunked dequantization and GEMMs too: the graph reads its packed storage and scales)
-            tensors = (*sources, lora_A, lora_B) + (() if w_sq is None else (w_sq,))
-            extra = (float(scaling), dora_settings.current(), get_dora_norm_threshold_bytes())
-            return reuse.graph.run(tensors, extra, compute)
+            return reuse.graph.run(*dora_norm.graph_key((*sources, lora_A, lora_B), w_sq, scaling), compute)
         return compute()
 
     def _scale(self, weight_norm: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:

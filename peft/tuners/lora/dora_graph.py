@@ -148,13 +148,7 @@ class StorageNormGraph(NormGraph):
     __slots__ = ()
 
     def _same(self, tensors, extra) -> bool:
-        refs = self.refs
-        if len(refs) != len(tensors):
-            return False
-        for ref in refs:
-            if ref.expired():
-                return False
-        return _key(tensors, extra) == self.key
+        return len(self.refs) == len(tensors) and not self.dead() and _key(tensors, extra) == self.key
 
     @staticmethod
     def _refs(tensors) -> tuple:

@@ -233,6 +233,12 @@ def norm_graph_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch
     return identity_tracked(sources) and not capturing(sources)
 
 
+def graph_key(tensors: tuple, w_sq: Optional[torch.Tensor], scale) -> tuple[tuple, tuple]:
+    """(tensors, extra) of a norm graph (``dora_graph.NormGraph.run``): the tensors it reads (``‖W‖²`` too where it is
+    kept) and what else its computation depends on: the scaling, the settings and the norm threshold."""
+    return tensors + (() if w_sq is None else (w_sq,)), (float(scale), settings(), get_dora_norm_threshold_bytes())
+
+
 def _accumulate(total: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
     """``total + part`` in place into ``total`` (our own buffer), or ``part`` itself for the first chunk."""
     return part if total is None else total.add_(part)
@@ -312,16 +318,16 @@ def _weight_norm_op(
         if frozen and mode is not None and w_sq_reusable(weight, lora_A, lora_B):
             w_memo = storage_memo("w_sq", (weight,), frozen=True)
             w_sq = memoised(w_memo, "any", "w_sq", (weight,), lambda: row_sq_norm(weight))
-        if mode != "recompute" or not norm_graph_applies(weight, lora_A, lora_B):
+
+        def norm() -> torch.Tensor:
             return factored_row_norm(weight, lora_A, lora_B, scale, w_sq=w_sq)
+
+        if mode != "recompute" or not norm_graph_applies(weight, lora_A, lora_B):
+            return norm()
         # a training forward, as in eager ones (``dora_graph``): one graph launch instead of the norm's launches and
         # their Python, which in a compiled step is host time on the forward's critical path (H100, 4-layer Llama-8B
         # shape, r = 16: the compiled forward's host time went to 6x compiled LoRA's, and the step waited on it)
-        tensors = sources + (() if w_sq is None else (w_sq,))
-        extra = (scale, settings(), get_dora_norm_threshold_bytes())
-        return storage_graph(sources).run(
-            tensors, extra, lambda: factored_row_norm(weight, lora_A, lora_B, scale, w_sq=w_sq)
-        )
+        return storage_graph(sources).run(*graph_key(sources, w_sq, scale), norm)
 
     if mode is None:
         return compute()
