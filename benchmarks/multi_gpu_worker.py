@@ -388,4 +388,9 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    # without the interpreter's finalization: once in some dozens of gloo launches a native thread aborted in its
+    # teardown of what still holds the process group's state (as in tests' sharded_training_worker.exit_now)
+    code = main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -21,6 +21,7 @@ import collections
 import contextlib
 import importlib.util
 import os
+import sys
 import warnings
 from typing import Optional
 
@@ -418,5 +419,15 @@ def check_norms(model) -> dict:
     return _bench_worker().check_norms(model)
 
 
+def exit_now(code: int) -> None:
+    """End the process without the interpreter's finalization. Once in some dozens of gloo launches a native thread
+    aborted ("terminate called without an active exception": a running ``std::thread`` destroyed) while the main
+    thread had no Python frame left (faulthandler's dump), i.e. in finalization's teardown of what still holds the
+    destroyed process group's state."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())

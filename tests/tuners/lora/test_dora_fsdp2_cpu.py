@@ -14,6 +14,7 @@ eager tier runs; the fused tiers, zero test and NCCL are ``test_dora_fsdp2_gpu.p
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,14 +26,50 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "sharded_training_worker.py"
 
 
+# A worker's native abort: "terminate called without an active exception" (a running std::thread destroyed) in one
+# gloo process, no Python exception, the main thread with no Python frame left (faulthandler): the interpreter's
+# finalization. Seen in CI under FSDP1 and FSDP2 and once in a local run of these tests; the worker now ends with
+# os._exit (``exit_now``). A launch that still dies of it alone is started once more, with a warning carrying its
+# output.
+NATIVE_ABORT = "terminate called without an active exception"
+_runs: dict = {}  # the runs of this session by what defines them: tests comparing with the same reference share it
+DEFAULTS = {("--checkpointing", "0"), ("--optim", "adamw"), ("--engine", "fsdp2"), ("--reshard", "1")}  # the worker's
+SINGLE_PROCESS_IGNORES = ("--engine", "--reshard")  # sharding options; one process trains unsharded (no --fsdp 1)
+
+
 def _train(tmp_path: Path, procs: int, *flags: str, env=None) -> dict:
-    """The worker's results for ``procs`` processes (``env``: the processes' environment, e.g. upstream's install)."""
-    out = tmp_path / f"run_{procs}_{abs(hash(flags))}_{env is not None}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", str(WORKER),
-           str(out), *flags]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    return torch.load(out)
+    """The worker's results for ``procs`` processes (``env``: the processes' environment, e.g. upstream's install).
+
+    One launch per distinct run and session. A launch that died of ``NATIVE_ABORT`` alone (a signal, no Python
+    exception in any process) is started once more, with a warning that carries its output; any other failure, and
+    a second abort, fails the test."""
+    pairs = sorted({flags[i : i + 2] for i in range(0, len(flags), 2)} - DEFAULTS)
+    if procs == 1 and ("--fsdp", "1") not in pairs:
+        pairs = [pair for pair in pairs if pair[0] not in SINGLE_PROCESS_IGNORES]
+    flags = tuple(x for pair in pairs for x in pair)
+    env = dict(os.environ if env is None else env, PYTHONFAULTHANDLER="1")  # an abort prints every thread's stack
+    key = (procs, flags, tuple(sorted(env.items())))
+    if key in _runs:
+        return _runs[key]
+    out = tmp_path / f"run_{procs}_{len(_runs)}.pt"
+    # one process: the worker itself (unsharded, no process group), without torchrun's agent
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 else []
+    cmd = [sys.executable, *launcher, str(WORKER), str(out), *flags]
+    for attempt in (1, 2):
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        log = run.stdout[-3000:] + run.stderr[-8000:]
+        native_abort = NATIVE_ABORT in run.stderr and "Traceback (most recent call last)" not in _worker_lines(run)
+        if run.returncode == 0 or attempt == 2 or not native_abort:
+            break
+        warnings.warn(f"relaunched {' '.join(flags)} ({procs} processes) after a native abort:\n{log}", stacklevel=2)
+    assert run.returncode == 0, log
+    _runs[key] = torch.load(out)
+    return _runs[key]
+
+
+def _worker_lines(run: subprocess.CompletedProcess) -> str:
+    """The workers' own output: what torchrun's agent logs (then its ChildFailedError traceback) comes after it."""
+    return run.stdout + run.stderr.split("elastic/multiprocessing/api.py")[0]
 
 
 def _build():
@@ -49,7 +86,7 @@ def _build():
     (
         ("fsdp2", "sgd", "1", "0"),
         ("fsdp2", "sgd", "0", "1"),
-        ("fsdp2", "adamw", "1", "0"),
+        ("fsdp2", "adamw", "1", "1"),  # the resume test's uninterrupted run
         ("fsdp1", "sgd", "1", "1"),
         ("fsdp1-peft", "sgd", "1", "1"),
         ("fsdp1-peft-flat", "sgd", "1", "1"),
@@ -57,7 +94,7 @@ def _build():
     ids=(
         "sgd-reshard",
         "sgd-keep-checkpointing",
-        "adamw-reshard",
+        "adamw-reshard-checkpointing",
         "fsdp1-sgd-checkpointing",
         "fsdp1-peft-policy",
         "fsdp1-peft-policy-flat-params",
@@ -216,8 +253,7 @@ def test_resume_from_a_sharded_checkpoint(tmp_path, engine):
     and AdamW state), three steps on other data, then the checkpoint loaded into the live model and optimizer: the
     next losses are the uninterrupted run's. Under FSDP2, loading writes the shards behind every kept norm and
     ``‖W‖²``, which must then be computed again. (FSDP1 through ``torch.distributed.checkpoint`` resumes as exactly
-    with the worker's ``--engine fsdp1 --resume 1``; it is not run here: one of its launches once aborted in a gloo
-    process under pytest, not reproduced in twenty more.)"""
+    with the worker's ``--engine fsdp1 --resume 1``; not run here, for CI's time.)"""
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed")
     flags = ("--optim", "adamw", "--checkpointing", "1", "--engine", engine)
