@@ -247,13 +247,13 @@ def test_fsdp2_magnitude_zero_test_started_by_the_step_hook(tmp_path):
     assert answers == [i != 3 for i in range(MODULES)] and reads == MODULES
 
 
-@pytest.mark.parametrize("engine", ("fsdp2", "zero2", "zero3"))
+@pytest.mark.parametrize("engine", ("fsdp2", "fsdp1", "zero2", "zero3"))
 def test_resume_from_a_sharded_checkpoint(tmp_path, engine):
     """Mid-run, a sharded checkpoint (``torch.distributed.checkpoint`` under FSDP2, DeepSpeed's own under ZeRO; model
     and AdamW state), three steps on other data, then the checkpoint loaded into the live model and optimizer: the
     next losses are the uninterrupted run's. Under FSDP2, loading writes the shards behind every kept norm and
-    ``‖W‖²``, which must then be computed again. (FSDP1 through ``torch.distributed.checkpoint`` resumes as exactly
-    with the worker's ``--engine fsdp1 --resume 1``; not run here, for CI's time.)"""
+    ``‖W‖²``, which must then be computed again. FSDP1 (``use_orig_params``) goes through
+    ``torch.distributed.checkpoint`` too."""
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed")
     flags = ("--optim", "adamw", "--checkpointing", "1", "--engine", engine)
