@@ -44,7 +44,8 @@ def _train(tmp_path: Path, procs: int, *flags: str, env=None) -> dict:
     exception in any process) is started once more, with a warning that carries its output; any other failure, and
     a second abort, fails the test."""
     pairs = sorted({flags[i : i + 2] for i in range(0, len(flags), 2)} - DEFAULTS)
-    if procs == 1 and ("--fsdp", "1") not in pairs:
+    unsharded = procs == 1 and ("--fsdp", "1") not in pairs  # no process group (``--fsdp 1``: FSDP2 in one process)
+    if unsharded:
         pairs = [pair for pair in pairs if pair[0] not in SINGLE_PROCESS_IGNORES]
     flags = tuple(x for pair in pairs for x in pair)
     env = dict(os.environ if env is None else env, PYTHONFAULTHANDLER="1")  # an abort prints every thread's stack
@@ -52,8 +53,8 @@ def _train(tmp_path: Path, procs: int, *flags: str, env=None) -> dict:
     if key in _runs:
         return _runs[key]
     out = tmp_path / f"run_{procs}_{len(_runs)}.pt"
-    # one process: the worker itself (unsharded, no process group), without torchrun's agent
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 else []
+    # one unsharded process: the worker itself, without torchrun's agent
+    launcher = [] if unsharded else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
     cmd = [sys.executable, *launcher, str(WORKER), str(out), *flags]
     for attempt in (1, 2):
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
