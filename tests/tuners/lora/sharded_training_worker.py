@@ -68,7 +68,8 @@ def quantize(base, kind: str) -> None:
     _bench_worker().quantize(base, kind, "cpu", torch.float32)
 
 
-def main() -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The worker's options (the tests drop flags given at their defaults, so equal runs share one launch)."""
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--reshard", type=int, default=1)
@@ -99,7 +100,11 @@ def main() -> int:
     )
     p.add_argument("--quant", choices=("nf4", "fp4"), help="QDoRA: the projections 4-bit (bitsandbytes, fp32 storage)")
     p.add_argument("--mp", type=int, default=0, help="1: FSDP2 MixedPrecisionPolicy(param bf16, reduce fp32)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = arguments().parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     fsdp = world > 1 if args.fsdp < 0 else bool(args.fsdp)

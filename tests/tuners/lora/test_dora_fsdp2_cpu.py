@@ -11,6 +11,7 @@ trained adapter (A, B and the magnitudes) too, which loads into an unsharded mod
 eager tier runs; the fused tiers, zero test and NCCL are ``test_dora_fsdp2_gpu.py``.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -33,7 +34,6 @@ WORKER = HERE / "sharded_training_worker.py"
 # output.
 NATIVE_ABORT = "terminate called without an active exception"
 _runs: dict = {}  # the runs of this session by what defines them: tests comparing with the same reference share it
-DEFAULTS = {("--checkpointing", "0"), ("--optim", "adamw"), ("--engine", "fsdp2"), ("--reshard", "1")}  # the worker's
 SINGLE_PROCESS_IGNORES = ("--engine", "--reshard")  # sharding options; one process trains unsharded (no --fsdp 1)
 
 
@@ -43,7 +43,7 @@ def _train(tmp_path: Path, procs: int, *flags: str, env=None) -> dict:
     One launch per distinct run and session. A launch that died of ``NATIVE_ABORT`` alone (a signal, no Python
     exception in any process) is started once more, with a warning that carries its output; any other failure, and
     a second abort, fails the test."""
-    pairs = sorted({flags[i : i + 2] for i in range(0, len(flags), 2)} - DEFAULTS)
+    pairs = sorted({flags[i : i + 2] for i in range(0, len(flags), 2)} - _defaults())
     unsharded = procs == 1 and ("--fsdp", "1") not in pairs  # no process group (``--fsdp 1``: FSDP2 in one process)
     if unsharded:
         pairs = [pair for pair in pairs if pair[0] not in SINGLE_PROCESS_IGNORES]
@@ -73,13 +73,24 @@ def _worker_lines(run: subprocess.CompletedProcess) -> str:
     return run.stdout + run.stderr.split("elastic/multiprocessing/api.py")[0]
 
 
-def _build():
+def _worker_module():
     sys.path.insert(0, str(HERE))
     try:
-        from sharded_training_worker import build
+        import sharded_training_worker
     finally:
         sys.path.remove(str(HERE))
-    return build()
+    return sharded_training_worker
+
+
+@functools.cache
+def _defaults() -> frozenset:
+    """``(flag, value)`` of every worker option at its default: a run that names one is the run that does not."""
+    args = vars(_worker_module().arguments().parse_args(["out"]))
+    return frozenset((f"--{k.replace('_', '-')}", str(v)) for k, v in args.items() if k != "out" and v is not None)
+
+
+def _build():
+    return _worker_module().build()
 
 
 @pytest.mark.parametrize(
