@@ -149,6 +149,12 @@ def cache_decorator(cache_key: str):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _shard_extra(weight, lora_A, lora_B, scaling, shards) -> tuple:
+    """What a sharded norm is kept under beside the shards: the scaling, the gathered dtypes (FSDP2's mixed precision
+    gathers shards in another dtype) and the versions (``dora_dist.NormShards.versions``)."""
+    return (float(scaling), weight.dtype, lora_A.dtype, lora_B.dtype, shards.versions())
+
+
 class DoraLinearLayer(nn.Module):
     """Magnitude vector and DoRA contribution of one adapter on a Linear (or GPT-2 ``Conv1D``) layer."""
 
@@ -382,26 +388,62 @@ class DoraLinearLayer(nn.Module):
     def _sharded_norm(self, weight, lora_A, lora_B, scaling, adapter_name, shards) -> torch.Tensor:
         """Under FSDP2 (``dora_dist``): the norm kept on the rank's shards of W, A and B, which stand for the gathered
         values (the checkpoint recompute and eval forwards reuse it); where W and B are row-sharded together, this
-        rank computes its own rows (``‖W_p‖²`` kept on its shard of a frozen W) and one all-gather assembles them."""
+        rank computes its own rows (``‖W_p‖²`` kept on its shard of a frozen W) and an all-gather assembles them,
+        one per unit for all of its DoRA Linears (``dora_dist.UnitNorms``): the first computes the rows of those
+        after it, which find their norms waiting (``LayerReuse.batched``)."""
         reuse = self._reuse
+        extra = _shard_extra(weight, lora_A, lora_B, scaling, shards)
 
         def compute() -> torch.Tensor:
             if shards.group is None:
                 return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name)
-            w_rows, b_rows = weight[shards.start : shards.stop], lora_B[shards.start : shards.stop]
-            if shards.stop == shards.start:
-                part = torch.empty(0, device=weight.device, dtype=torch.promote_types(weight.dtype, torch.float32))
-            else:
-                w_sq = None
-                if not weight.requires_grad and dora_norm.w_sq_reusable(w_rows, lora_A, b_rows):
-                    w_sq = memoised(reuse.w_sq, "any", "w_sq", shards.keys[:1], lambda: row_sq_norm(w_rows),
-                                    extra=(weight.dtype, shards.versions()[:2]))  # fmt: skip
-                part = factored_row_norm(w_rows, lora_A, b_rows, scaling, w_sq=w_sq)
-            return dora_dist.gather_rows(part, shards, weight.shape[0])
+            waiting = reuse.batched.get(shards.keys, extra)
+            reuse.batched.clear()
+            if waiting is not None:
+                norm_counts["norm_batched"] += 1
+                return waiting
+            jobs = [(self, weight, lora_A, lora_B, scaling, shards, extra)]
+            if shards.unit is not None:
+                jobs += self._unit_followers(weight, lora_A, lora_B, scaling, shards)
+            parts = [layer._own_rows(*job[:5]) for layer, *job in jobs]
+            norms = dora_dist.gather_rows(parts, [job[5] for job in jobs])
+            for (layer, *_, sh, ex), norm in zip(jobs[1:], norms[1:]):
+                layer._reuse.batched.put(sh.keys, norm, ex)
+            return norms[0]
 
-        # the gathered dtypes too (FSDP2's mixed precision gathers shards in another dtype)
-        extra = (float(scaling), weight.dtype, lora_A.dtype, lora_B.dtype, shards.versions())
         return memoised(reuse.norm, reuse_mode(self, (weight, lora_A, lora_B)), "norm", shards.keys, compute, extra)
+
+    def _unit_followers(self, weight, lora_A, lora_B, scaling, shards) -> list:
+        """The jobs ``(layer, W, A, B, s, shards, extra)`` of the DoRA Linears after this one in its FSDP2 unit whose
+        norms this one computes with its own: gathered on the same group in the same dtype, not kept already (their
+        own memo would answer, or their norm is waiting), and called since their last waiting norm (else they leave
+        the unit's list)."""
+        jobs = []
+        for layer, w, a, b, s in dora_dist.unit_norms(shards.unit).followers(self, weight, lora_A, lora_B, scaling):
+            sh = dora_dist.norm_shards(w, a, b)
+            if sh is None or sh.unit is not shards.unit or sh.group is not shards.group or w.dtype != weight.dtype:
+                continue
+            ex, waiting = _shard_extra(w, a, b, s, sh), layer._reuse.batched
+            if waiting.value is not None:
+                if waiting.get(sh.keys, ex) is None:  # not called since its last one (or edited since): drop it
+                    waiting.clear()
+                    dora_dist.unit_norms(shards.unit).drop(layer)
+                continue  # else its norm is waiting already
+            if reuse_mode(layer, (w, a, b)) == "any" and layer._reuse.norm.get(sh.keys, ex) is not None:
+                continue
+            jobs.append((layer, w, a, b, s, sh, ex))
+        return jobs
+
+    def _own_rows(self, weight, lora_A, lora_B, scaling, shards) -> torch.Tensor:
+        """This rank's rows ``[start, stop)`` of the norm (``‖W_p‖²`` kept on its shard of a frozen W)."""
+        if shards.stop == shards.start:
+            return torch.empty(0, device=weight.device, dtype=torch.promote_types(weight.dtype, torch.float32))
+        w_rows, b_rows = weight[shards.start : shards.stop], lora_B[shards.start : shards.stop]
+        w_sq = None
+        if not weight.requires_grad and dora_norm.w_sq_reusable(w_rows, lora_A, b_rows):
+            w_sq = memoised(self._reuse.w_sq, "any", "w_sq", shards.keys[:1], lambda: row_sq_norm(w_rows),
+                            extra=(weight.dtype, shards.versions()[:2]))  # fmt: skip
+        return factored_row_norm(w_rows, lora_A, b_rows, scaling, w_sq=w_sq)
 
     def _norm_operands(self, weight, lora_A, lora_B) -> Optional[tuple]:
         """(W, A, B) as ``factored_row_norm`` takes them, or None where the norm is not a single factored row norm."""

@@ -275,13 +275,15 @@ class LayerReuse:
     views) and ``decode`` (the latest decode step's launches, a ``dora_decode.DecodePlan``). Beside them
     ``zero_free``: whether m has no exact zero (read on the host, so asked once per value of m, or its test started
     ahead: an event and a pinned flag), which lets the training output nodes read ``inner`` back from their output.
-    ``clear`` forgets all of it; copies and pickles of a layer start empty.
+    ``batched``: under FSDP2, this layer's norm computed ahead by the first DoRA Linear of its unit with its own
+    (``dora_dist.UnitNorms``), keyed as ``norm`` is, taken once. ``clear`` forgets all of it; copies and pickles of a
+    layer start empty.
     """
 
-    __slots__ = ("norm", "w_sq", "scale", "factors", "rows", "graph", "decode", "zero_free")
+    __slots__ = ("norm", "w_sq", "scale", "factors", "rows", "graph", "decode", "zero_free", "batched")
 
     def __init__(self) -> None:
-        self.norm, self.scale, self.factors, self.zero_free = Memo(), Memo(), Memo(), Memo()
+        self.norm, self.scale, self.factors, self.zero_free, self.batched = Memo(), Memo(), Memo(), Memo(), Memo()
         self.w_sq = Memo(frozen=True)  # a frozen W takes no optimizer steps
         self.graph = NormGraph()
         self.rows: tuple = ()
@@ -289,7 +291,7 @@ class LayerReuse:
 
     def clear(self, graph: bool = True) -> None:
         """Forget every kept value (``graph=False`` keeps the norm graph, which reads current values anyway)."""
-        for memo in (self.norm, self.w_sq, self.scale, self.factors, self.zero_free):
+        for memo in (self.norm, self.w_sq, self.scale, self.factors, self.zero_free, self.batched):
             memo.clear()
         self.rows, self.decode = (), None
         if graph:

@@ -21,9 +21,10 @@ an in-place edit) changes, and the gathered values are a function of the shards 
 :func:`norm_shards` gives those shards as the keys of the norm's memos (the checkpoint recompute and eval forwards
 reuse the norm, a frozen ``W``'s ``‖W‖²`` is kept) and, where W and B are both row-sharded on the same group, the
 rank's rows: each rank computes ``‖W_p + s·B_p·A‖`` of its own rows (``‖W_p‖²`` kept, ``W_p·Aᵀ`` with the gathered
-``A``, ``B_p·G``) – 1/N of the norm's work – and one all-gather of ``d_out`` floats assembles the norm
-(:func:`gather_rows`). :func:`stand_ins` and :class:`MagnitudeShard` do the same for the scale, the decode factors
-and the magnitude's zero test.
+``A``, ``B_p·G``) – 1/N of the norm's work – and all-gathers of ``d_out`` floats assemble the norm
+(:func:`gather_rows`): one per FSDP2 unit (a ``fully_shard`` parameter group, usually a decoder layer) and forward,
+for all of its DoRA Linears (:class:`UnitNorms`), not one per module. :func:`stand_ins` and :class:`MagnitudeShard`
+do the same for the scale, the decode factors and the magnitude's zero test.
 
 FSDP2 publishes no map from a gathered parameter to its shard; the one private read (its per-module state and
 ``FSDPParam`` objects) is :func:`_index`, and anything it does not find computes the norm as without FSDP2.
@@ -37,12 +38,15 @@ branch through the units' forwards and copies A and B as those forwards saw them
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .dora_cache import norm_counts
 
 
 try:
@@ -66,6 +70,12 @@ class NormShards:
     start: int = 0  # this rank's rows of the norm: [start, stop)
     stop: int = 0
     chunk: int = 0  # rows per rank, the last ranks' padded (FSDP2 shards like torch.chunk, with empty shards)
+    unit: Optional[object] = None  # the FSDP2 parameter group holding W, A and B all three (gathered together)
+
+    @property
+    def d_out(self) -> int:
+        """The norm's length: W's rows."""
+        return self.gathered[0].shape[0]
 
     def versions(self) -> tuple:
         """The version counters of the sharded parameters and of the gathered copies. An in-place op on a DTensor
@@ -84,6 +94,7 @@ def shard_versions(param: torch.Tensor, gathered: torch.Tensor) -> tuple:
 
 _MISSING = object()
 _params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gathered parameter -> its FSDPParam, or None if it has none
+_units: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FSDPParam -> its FSDPParamGroup (the unit gathered together)
 _owners: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> {parameter name: its FSDPParam}
 
 
@@ -97,6 +108,7 @@ def _index() -> None:
             groups = [] if single is None else [single]
         for group in groups:
             for fsdp_param in getattr(group, "fsdp_params", ()):
+                _units[fsdp_param] = group
                 gathered = getattr(fsdp_param, "_unsharded_param", None)
                 if gathered is not None:
                     _params[gathered] = fsdp_param
@@ -218,19 +230,81 @@ def norm_shards(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor
     start, stop = min(d_out, rank * chunk), min(d_out, (rank + 1) * chunk)
     if keys[0].shape[0] != stop - start or keys[2].shape[0] != stop - start:  # not torch.chunk's rows: the whole norm
         return NormShards(keys, params, (weight, lora_A, lora_B))
-    return NormShards(keys, params, (weight, lora_A, lora_B), group, start, stop, chunk)
+    unit = _units.get(fps[0])
+    unit = unit if unit is not None and all(_units.get(fp) is unit for fp in fps[1:]) else None
+    return NormShards(keys, params, (weight, lora_A, lora_B), group, start, stop, chunk, unit)
 
 
 @torch.no_grad()
-def gather_rows(part: torch.Tensor, shards: NormShards, d_out: int) -> torch.Tensor:
-    """The whole [d_out] norm from every rank's rows (``part``: this rank's, ``stop - start`` of them): one
-    all-gather of ``chunk`` floats per rank (the last ranks' rows padded)."""
-    world = dist.get_world_size(shards.group)
-    padded = part.new_zeros(shards.chunk)
-    padded[: part.shape[0]].copy_(part)
-    out = part.new_empty(shards.chunk * world)
-    dist.all_gather_into_tensor(out, padded, group=shards.group)
-    return out[:d_out]
+def gather_rows(parts: list, shards: list) -> list:
+    """The whole [d_out] norms of some DoRA Linears from every rank's rows (``parts``: this rank's, ``stop - start``
+    of each, all of one dtype; ``shards``: their :class:`NormShards`, all on one group) in one all-gather of
+    ``sum(chunk)`` floats per rank (the last ranks' rows padded)."""
+    group = shards[0].group
+    world = dist.get_world_size(group)
+    chunks = [s.chunk for s in shards]
+    if all(part.shape[0] == chunk for part, chunk in zip(parts, chunks)):
+        send = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+    else:
+        send, offset = parts[0].new_zeros(sum(chunks)), 0
+        for part, chunk in zip(parts, chunks):
+            send[offset : offset + part.shape[0]].copy_(part)
+            offset += chunk
+    out = send.new_empty(world * send.shape[0])
+    dist.all_gather_into_tensor(out, send, group=group)
+    norm_counts["norm_gathers"] += 1
+    if len(parts) == 1:
+        return [out[: shards[0].d_out]]
+    rows = out.view(world, -1).split(chunks, dim=1)  # [world, chunk] each: rank p's rows of every norm in row p
+    return [r.reshape(-1)[: s.d_out] for r, s in zip(rows, shards)]
+
+
+class UnitNorms:
+    """The DoRA Linears of one FSDP2 unit (a ``fully_shard`` parameter group) that compute their norms sharded, in
+    the order their forwards first asked (the unit's forward order), with the tensors and scaling each asked with.
+
+    The first of them whose norm is not kept (the leader) computes its own rows and those of the ones after it,
+    whose tensors are gathered with its own, and one all-gather assembles all of their norms; each of the others
+    finds its norm waiting (``LayerReuse.batched``, keyed on its shards, versions and scaling as its own memo: an
+    edit in between, or another scaling, and it computes its own). Every rank of the group takes the same
+    decisions (the same forwards, shapes, versions and memos), so the collectives match. A layer whose waiting norm
+    was never taken (not called since, e.g. another adapter active) leaves the list until it asks again."""
+
+    __slots__ = ("members",)
+
+    def __init__(self) -> None:
+        self.members: dict = {}  # id(layer) -> (weakref to the layer, weakrefs to W, A, B, scaling); insertion order
+
+    def followers(self, layer, weight, lora_A, lora_B, scaling) -> list:
+        """Note ``layer``'s call and return ``(layer, W, A, B, scaling)`` of the live members after it."""
+        entry = (weakref.ref(layer), weakref.ref(weight), weakref.ref(lora_A), weakref.ref(lora_B), scaling)
+        key = id(layer)
+        self.members[key] = entry  # a known layer keeps its place
+        out, after = [], False
+        for member_key, (layer_ref, *refs, s) in list(self.members.items()):
+            if member_key == key:
+                after = True
+                continue
+            live = (layer_ref(), *(r() for r in refs))
+            if any(t is None for t in live):
+                del self.members[member_key]
+            elif after:
+                out.append((*live, s))
+        return out
+
+    def drop(self, layer) -> None:
+        self.members.pop(id(layer), None)
+
+
+_unit_norms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FSDPParamGroup -> UnitNorms
+
+
+def unit_norms(unit) -> UnitNorms:
+    """The :class:`UnitNorms` of an FSDP2 parameter group (``NormShards.unit``)."""
+    norms = _unit_norms.get(unit)
+    if norms is None:
+        norms = _unit_norms[unit] = UnitNorms()
+    return norms
 
 
 def fsdp1_unit(module: torch.nn.Module) -> bool:

@@ -224,7 +224,9 @@ def main() -> int:
         adapter = get_peft_model_state_dict(unsharded)
     else:  # the quantized base's state holds bitsandbytes' packed storage and statistics: the adapter's tensors only
         adapter = {k: v for k, v in full.items() if "lora_" in k}
-    evaluated = evaluate(model, world)  # edits the adapter: after the trained one is saved
+    # edits the adapter: after the trained one is saved; an edit inside the forward where the engine's gathered copy
+    # is what the forward reads (unsharded, FSDP2), not FSDP1's or ZeRO-3's shards
+    evaluated = evaluate(model, world, edit_in_forward=not (fsdp or zero) or args.engine == "fsdp2")
     ours = importlib.util.find_spec("peft.tuners.lora.dora_dist") is not None  # upstream has no sharded norm
     norm_check = check_norms(model) if ours and fsdp and args.engine == "fsdp2" and args.quant is None else None
     if rank == 0:
@@ -237,9 +239,12 @@ def main() -> int:
 
 
 @torch.no_grad()
-def evaluate(model, world: int) -> dict:
+def evaluate(model, world: int, edit_in_forward: bool) -> dict:
     """Eval forwards before and after in-place edits of every B, then of every magnitude (no optimizer step between,
-    so only version counters can tell a kept norm or scale that it is stale), and once more (reused)."""
+    so only version counters can tell a kept norm or scale that it is stale), and once more (reused). With
+    ``edit_in_forward``, one more (``edit_in_forward``) whose every value projection scales its B on entering its
+    forward: under FSDP2 after the first DoRA Linear of its layer computed the norms of all of them
+    (``dora_dist.UnitNorms``), so the norm waiting for it is stale."""
     norm_counts = _norm_counts()
     model.eval()
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
@@ -253,7 +258,22 @@ def evaluate(model, world: int) -> dict:
         norm_counts.clear()
         logits.append(model(input_ids=ids).logits.float().cpu())
         counts.append(dict(norm_counts))
-    return {"logits": logits, "counts": counts}
+    out = {"logits": logits, "counts": counts}
+    if edit_in_forward:
+
+        def edit(module, args):
+            module.lora_B["default"].weight.mul_(1.25)
+
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # every norm stale: the layers' first DoRA Linears compute all of them again
+                param.mul_(0.8)
+        hooks = [m.register_forward_pre_hook(edit) for n, m in model.named_modules() if n.endswith("attn.v_proj")]
+        norm_counts.clear()
+        out["edit_in_forward"] = {"logits": model(input_ids=ids).logits.float().cpu(), "counts": dict(norm_counts),
+                                  "hooks": len(hooks)}  # fmt: skip
+        for hook in hooks:
+            hook.remove()
+    return out
 
 
 def _checkpoint(model, opt, path: str, save: bool) -> None:

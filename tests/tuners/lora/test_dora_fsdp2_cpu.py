@@ -190,7 +190,8 @@ def _loads_in_upstream(tmp_path: Path, upstream: tuple, adapter: dict, ids: torc
     torch.testing.assert_close(torch.load(paths[2]), ours, rtol=1e-4, atol=1e-4)
 
 
-MODULES = 14  # DoRA Linears of the worker's model: 7 projections in each of 2 layers
+LAYERS = 2  # decoder layers of the worker's model, each an FSDP2 unit
+MODULES = 7 * LAYERS  # DoRA Linears of the worker's model: 7 projections in each layer
 
 
 def _check_sharded_norm(sharded: dict, single: dict, recompute: bool, same_params: bool) -> None:
@@ -206,15 +207,28 @@ def _check_sharded_norm(sharded: dict, single: dict, recompute: bool, same_param
         assert counts.get("norm_computed") == MODULES, (step, counts)
         assert counts.get("norm_reused", 0) == (MODULES if recompute else 0), (step, counts)
         assert counts.get("w_sq_computed", 0) == (MODULES if step == 0 else 0), (step, counts)
+        # one all-gather per layer: its first DoRA Linear computes the rows of all (the first step learns the order)
+        gathers, batched = (MODULES, 0) if step == 0 else (LAYERS, MODULES - LAYERS)
+        assert (counts.get("norm_gathers"), counts.get("norm_batched", 0)) == (gathers, batched), (step, counts)
     for a, b in zip(sharded["eval"]["logits"], single["eval"]["logits"]):
         if same_params:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     after_b, after_m, repeat = sharded["eval"]["counts"]
     assert after_b.get("norm_computed") == MODULES  # B changed: every norm again
+    assert after_b.get("norm_gathers") == LAYERS and after_b.get("norm_batched") == MODULES - LAYERS
     assert after_m.get("norm_reused") == MODULES and after_m.get("scale_computed") == MODULES  # m changed: g again
     # nothing changed: nothing computed (the fused tiers' small/decode factors, counted as scales, hold the norm)
     assert not repeat.get("norm_computed") and not repeat.get("scale_computed"), repeat
     assert repeat.get("norm_reused", 0) + repeat.get("scale_reused", 0) >= MODULES, repeat
+    # every B scaled, then each value projection's again as its forward starts, after its layer's first DoRA Linear
+    # computed the norms of all: the one waiting for it is stale, not taken (the single process edits alike)
+    edited, reference = sharded["eval"]["edit_in_forward"], single["eval"]["edit_in_forward"]
+    assert edited["hooks"] == reference["hooks"] == LAYERS
+    counts = edited["counts"]
+    assert (counts.get("norm_gathers"), counts.get("norm_batched")) == (2 * LAYERS, MODULES - 2 * LAYERS), counts
+    if same_params:
+        torch.testing.assert_close(edited["logits"], reference["logits"], rtol=1e-4, atol=1e-4)
+        assert (edited["logits"] - sharded["eval"]["logits"][-1]).abs().max() > 1e-3  # the edit mattered
 
 
 def _adapter_of(model) -> dict:
