@@ -535,12 +535,29 @@ def run(args, argv: list) -> int:
 
 
 def headline_from(paths: list, headline: Path) -> int:
-    """The headline keys of committed runs, recomputed from their JSON (``summarize`` over the records as they ran),
-    written in the order given: a later run's keys replace an earlier one's."""
+    """The headline keys of committed runs, recomputed from their JSON (``summarize`` over the records as they ran).
+    A key that several runs set (the same engine in both precisions) takes the worst of them: the smallest speed-up,
+    the largest of the rest; ``multi_gpu_gpu`` names each run's GPUs with the engines run on them where they differ."""
+    merged, gpus, kinds = {}, {}, set()
     for path in paths:
         doc = json.loads(Path(path).read_text())
-        written = bench_model.write_headline(doc["kind"], headline_values(doc), headline)
-        print(f"{path}: {json.dumps(written)}")
+        values = headline_values(doc)
+        kinds.add(doc["kind"])
+        print(f"{path}: {json.dumps(values)}")
+        gpu = values.pop("multi_gpu_gpu", None)
+        if gpu is not None:
+            gpus.setdefault(gpu, []).append(doc["config"]["engine"])
+        for key, value in values.items():
+            if key in merged:  # unknown (None) in either: unknown
+                pick = min if key.endswith("speedup_vs_upstream") else max
+                value = None if None in (value, merged[key]) else pick(value, merged[key])
+            merged[key] = value
+    if gpus:
+        merged["multi_gpu_gpu"] = next(iter(gpus)) if len(gpus) == 1 else "; ".join(
+            f"{gpu} ({', '.join(dict.fromkeys(engines))})" for gpu, engines in gpus.items()
+        )
+    written = bench_model.write_headline("gpu" if kinds == {"gpu"} else "cpu", merged, headline)
+    print(f"updated {headline}: {json.dumps(written)}")
     return 0
 
 

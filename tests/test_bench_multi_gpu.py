@@ -110,6 +110,27 @@ def test_ratios_are_medians_of_per_round_ratios_and_the_headline_is_the_worst_ra
         "multi_gpu_loss_max_abs_diff_vs_single_gpu", "sharded_norm_rel_err_vs_unsharded"}  # fmt: skip
 
 
+def test_headline_from_several_runs_takes_the_worst_of_each_key(tmp_path, monkeypatch):
+    """Runs of one engine in both precisions set the same keys: the headline keeps the worst (smallest speed-up,
+    largest ratio, peak and error), an unknown value in either makes it unknown, and the GPUs are named per engine."""
+    runs = {
+        "bf16.json": ({"fsdp2_dora_over_lora_train": 1.12, "fsdp2_train_speedup_vs_upstream": 1.25,
+                       "multi_gpu_peak_delta_over_lora_pct": 0.5, "multi_gpu_gpu": "2x H200"}, "fsdp2"),
+        "mp.json": ({"fsdp2_dora_over_lora_train": 1.23, "fsdp2_train_speedup_vs_upstream": 1.06,
+                     "multi_gpu_peak_delta_over_lora_pct": None, "multi_gpu_gpu": "2x H200"}, "fsdp2"),
+        "zero3.json": ({"zero3_dora_over_lora_train": 0.99, "multi_gpu_gpu": "2x H100"}, "zero3"),
+    }  # fmt: skip
+    for name, (_, engine) in runs.items():
+        (tmp_path / name).write_text(json.dumps({"kind": "gpu", "config": {"engine": engine}, "name": name}))
+    monkeypatch.setattr(bench_multi_gpu, "headline_values", lambda doc: dict(runs[doc["name"]][0]))
+    headline = tmp_path / "headline.json"
+    headline.write_text(json.dumps({"multi_gpu_peak_delta_over_lora_pct": 9.9, "other": 1}))
+    bench_multi_gpu.headline_from([str(tmp_path / n) for n in runs], headline)
+    assert json.loads(headline.read_text()) == {
+        "fsdp2_dora_over_lora_train": 1.23, "fsdp2_train_speedup_vs_upstream": 1.06, "zero3_dora_over_lora_train": 0.99,
+        "multi_gpu_gpu": "2x H200 (fsdp2); 2x H100 (zero3)", "other": 1}  # fmt: skip
+
+
 @pytest.mark.slow
 def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
     """Two torchrun launches (three with upstream) of two gloo processes each: FSDP2 over a tiny Llama, every step's
