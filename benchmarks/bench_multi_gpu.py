@@ -553,8 +553,10 @@ def headline_from(paths: list, headline: Path) -> int:
                 value = None if None in (value, merged[key]) else pick(value, merged[key])
             merged[key] = value
     if gpus:
-        merged["multi_gpu_gpu"] = next(iter(gpus)) if len(gpus) == 1 else "; ".join(
-            f"{gpu} ({', '.join(dict.fromkeys(engines))})" for gpu, engines in gpus.items()
+        merged["multi_gpu_gpu"] = (
+            next(iter(gpus))
+            if len(gpus) == 1
+            else "; ".join(f"{gpu} ({', '.join(dict.fromkeys(engines))})" for gpu, engines in gpus.items())
         )
     written = bench_model.write_headline("gpu" if kinds == {"gpu"} else "cpu", merged, headline)
     print(f"updated {headline}: {json.dumps(written)}")
