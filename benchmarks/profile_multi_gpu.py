@@ -1,18 +1,20 @@
-"""Where a DoRA training step's time goes under FSDP2 on several GPUs, against LoRA's, with the sharded norm and
-without it (each rank computing the whole norm).
+"""Where a DoRA training step's time goes on several GPUs, against LoRA's: under FSDP2 with the sharded norm and
+without it (each rank computing the whole norm), or under another engine of the benchmark (``--engine fsdp1``,
+``zero2``, ``zero3``; ``--precision mp``: fp32 parameters with bf16 compute, as the benchmark's).
 
 Started as ``torchrun --nproc_per_node N benchmarks/profile_multi_gpu.py --out OUT.json`` with our wheel's install
 first on ``PYTHONPATH``. Every process builds the multi-GPU benchmark's model (``multi_gpu_worker.build``: a seeded
-Llama, adapters on all linear projections, non-reentrant checkpointing), shards it with ``fully_shard`` as the
-benchmark does, and for each variant times ``--steps`` AdamW steps (CUDA events, the slowest process) and profiles one
-step on process 0: GPU time per kernel class (GEMMs, NCCL, Triton, elementwise), the busiest kernels, the busiest host
-ops, and the GPU busy time of the compute stream against the step's wall time (what is left is waiting: for an
-all-gather, for the host).
+Llama, adapters on all linear projections, non-reentrant checkpointing), wraps it as the benchmark does (FSDP2's
+``fully_shard``, FSDP1, or DeepSpeed's engine with its backward and step), and for each variant times ``--steps``
+AdamW steps (CUDA events, the slowest process) and profiles one step on process 0: GPU time per kernel class (GEMMs,
+NCCL, Triton, elementwise), the busiest kernels, the busiest host ops, and the GPU busy time of the compute stream
+against the step's wall time (what is left is waiting: for an all-gather, for the host).
 
 Variants: ``lora`` (``use_dora=False``), ``ours`` (defaults), ``ours_whole_norm`` (every rank computes the whole norm
 from the gathered W: the sharded norm's all-gather off), ``ours_own_group`` (the sharded norm's all-gather on a
 communicator of its own: NCCL runs one communicator's collectives in order, so on FSDP2's it queues with the
-parameter all-gathers and gradient reduce-scatters), ``ours_eager`` (``PEFT_DORA_FUSED=0``).
+parameter all-gathers and gradient reduce-scatters), ``ours_eager`` (``PEFT_DORA_FUSED=0``). The two that change the
+sharded norm run under FSDP2 only.
 """
 
 from __future__ import annotations
@@ -96,12 +98,19 @@ def run_variant(variant: str, spec: dict, rank: int, device, mesh, world: int, p
     try:
         spec = dict(spec, impl={"name": variant, "dora": variant != "lora"})
         model = mgw.build(spec, rank, device)
-        mgw.shard_fsdp2(model, spec, mesh)
+        model = mgw.ENGINES[spec["engine"]](model, spec, mesh) or model
         model.train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec["lr"])
+        zero = spec["engine"].startswith("zero")
+        if zero:
+            model, opt = mgw.deepspeed_engine(model, opt, spec)
         data = mgw.batches(dict(spec, warmup=0, steps=1), world, proc, device)[0]
 
         def step():
+            if zero:  # the engine's backward and step (which zeroes the gradients), as the benchmark trains
+                model.backward(model(input_ids=data, labels=data, use_cache=False).loss)
+                model.step()
+                return
             opt.zero_grad(set_to_none=True)
             model(input_ids=data, labels=data, use_cache=False).loss.backward()
             opt.step()
@@ -138,11 +147,16 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, a smoke run")
+    p.add_argument("--engine", default="fsdp2", choices=list(mgw.ENGINES), help="as the benchmark's --engine")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "mp"), help="as the benchmark's --precision")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     cfg = bmg.resolve_config(bmg.parse_args(["--shape", args.shape, "--layers", str(args.layers), "--seq",
-                                             str(args.seq), "--device", args.device]))  # fmt: skip
-    spec = dict(cfg, model=cfg["model"], engine="fsdp2", warmup=0, steps=1)
+                                             str(args.seq), "--device", args.device, "--engine", args.engine,
+                                             "--precision", args.precision]))  # fmt: skip
+    if args.engine != "fsdp2" and set(args.variants.split(",")) & {"ours_whole_norm", "ours_own_group"}:
+        p.error("ours_whole_norm and ours_own_group change the FSDP2 sharded norm: --engine fsdp2 only")
+    spec = dict(cfg, model=cfg["model"], warmup=0, steps=1)
     device, mesh, world, proc = mgw.setup(spec)
     results = []
     for variant in args.variants.split(","):
