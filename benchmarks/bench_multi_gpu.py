@@ -107,6 +107,9 @@ def parse_args(argv=None):
     a("--timeout-s", type=float, default=600.0, help="per launch; the launch's process group is killed after it")
     a("--deadline-min", type=float, help="start no launch after this many minutes (skipped launches are listed)")
     a("--no-single", action="store_true", help="skip the single-process reference (ours, no engine, global batch)")
+    a("--meta-init", action="store_true", help="FSDP2: decoder layers built on the meta device, only each process's "
+      "shards made real (seeded per name and process): for models one GPU cannot hold whole (70B, 80 layers); no "
+      "single-process reference")  # fmt: skip
     a("--no-norm-check", action="store_true", help="skip FSDP2's sharded-norm check (ours, all fp32, first rank)")
     a("--plan", action="store_true", help="print what would run and the estimated seconds, then stop")
     return p.parse_args(argv)
@@ -117,11 +120,13 @@ def resolve_config(args) -> dict:
     layers = args.layers if args.layers is not None else (2 if args.shape == "tiny" else 4)
     kwargs = dict(LLAMA, **SHAPES[args.shape], num_hidden_layers=layers)
     gpu = args.device.startswith("cuda")
+    if args.meta_init and (args.engine != "fsdp2" or args.quant):
+        raise SystemExit("--meta-init: FSDP2 without --quant only (bitsandbytes quantizes whole weights)")
     if args.quant and (args.engine != "fsdp2" or args.precision != "bf16"):
         # FSDP2's mixed precision would cast the packed 4-bit storage; FSDP1 and ZeRO have not been wired here
         raise SystemExit("--quant: FSDP2 with --precision bf16 only (the packed weights must not be cast)")
     # the norm check compares with the dense norm of the gathered weight, which a quantized base does not have
-    wanted = {"single": not args.no_single,
+    wanted = {"single": not args.no_single and not args.meta_init,  # the whole model on one GPU: what it avoids
               "norm_check": not args.no_norm_check and args.engine == "fsdp2" and not args.quant}  # fmt: skip
     return {
         "engine": args.engine,
@@ -144,6 +149,7 @@ def resolve_config(args) -> dict:
         "precision": args.precision,
         "quant": args.quant,
         "reshard": args.reshard,
+        "meta_init": args.meta_init,
         "warmup": max(1, args.warmup),
         "steps": max(1, args.steps),
         "lr": args.lr,

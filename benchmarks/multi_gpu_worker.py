@@ -174,6 +174,66 @@ def build(spec: dict, rank: int, device: torch.device):
     return model
 
 
+def build_sharded(spec: dict, rank: int, device: torch.device, mesh):
+    """:func:`build` and :func:`shard_fsdp2` for a model that does not fit one GPU whole (``--meta-init``): the
+    embedding, final norm, rotary table and LM head built as :func:`build` builds them, the decoder layers on the meta
+    device, PEFT's adapters on them there, ``fully_shard`` as the benchmark shards, then each layer's shards made real
+    on ``device`` (``to_empty``) and filled: projection weights N(0, initializer_range) and norm weights 1 drawn per
+    parameter name and process (the same model in every implementation launched on as many processes, not the same
+    as :func:`build`'s), A and B as ``seed_adapters`` draws them (this process's rows), the magnitudes the row norms
+    of this process's rows of W times the same noise. Returns the model, sharded."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from peft import LoraConfig, get_peft_model
+
+    dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
+    cfg = spec["model"]
+    layers = cfg["config_kwargs"]["num_hidden_layers"]
+    base = mw.build_base(dict(cfg, config_kwargs=dict(cfg["config_kwargs"], num_hidden_layers=0)), device, dtype)
+    base.config.num_hidden_layers = layers
+    with torch.device("meta"):
+        base.model.layers = torch.nn.ModuleList(LlamaDecoderLayer(base.config, i).to(dtype) for i in range(layers))
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear",
+                      use_dora=spec["impl"]["dora"])  # fmt: skip
+    model = get_peft_model(base, lora).to(dtype)
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.base_model.model.enable_input_require_grads()
+    shard_fsdp2(model, spec, mesh)
+    proc, seed, init_range = dist.get_rank(), cfg["seed"], cfg["config_kwargs"]["initializer_range"]
+    with torch.no_grad():
+        for layer in model.base_model.model.model.layers:
+            layer.to_empty(device=device)
+            named = dict(layer.named_parameters(prefix=f"layer{layer.self_attn.layer_idx}"))
+            for name, param in named.items():
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if "lora_" in name:
+                    continue  # below, per adapted module
+                if name.endswith("norm.weight"):
+                    local.fill_(1.0)
+                else:
+                    gen = mw._gen(device, seed, name, proc, "W")
+                    local.copy_(torch.randn(local.shape, generator=gen, device=device) * init_range)
+            for name, module in layer.named_modules(prefix=f"layer{layer.self_attn.layer_idx}"):
+                if not hasattr(module, "lora_A") or "default" not in module.lora_A:
+                    continue
+                a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+                d_in = a.shape[1]
+                full = torch.randn(a.shape, generator=mw._gen(device, seed, name, "A"), device=device) / d_in**0.5
+                a.copy_(distribute_tensor(full.to(a.dtype), a.device_mesh, a.placements, src_data_rank=None))
+                std = 0.2 * init_range * d_in**0.5 / rank
+                full = torch.randn(b.shape, generator=mw._gen(device, seed, name, "B"), device=device) * std
+                b.copy_(distribute_tensor(full.to(b.dtype), b.device_mesh, b.placements, src_data_rank=None))
+                mags = getattr(module, "lora_magnitude_vector", None)
+                if mags is not None and "default" in mags:
+                    m, w = mags["default"].weight, module.get_base_layer().weight
+                    noise = torch.randn(m.shape, generator=mw._gen(device, seed, name, "m"), device=device)
+                    noise = distribute_tensor(noise, m.device_mesh, m.placements, src_data_rank=None).to_local()
+                    norms = torch.linalg.vector_norm(w.to_local().float(), dim=1)
+                    m.to_local().copy_(norms * (1 + 0.1 * noise))
+    return model
+
+
 def quantize(base, kind: str, device, dtype: torch.dtype = torch.bfloat16) -> None:
     """Every projection of the decoder layers as a bitsandbytes 4-bit Linear of ``kind`` (NF4 with double
     quantization, or FP4) in ``dtype`` storage and compute, as ``BitsAndBytesConfig(bnb_4bit_quant_storage=...)``
@@ -222,9 +282,12 @@ def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, pr
     from peft.tuners.lora import dora
 
     single = spec["task"] == "single"
-    model = build(spec, rank, device)
-    if not single:
-        model = ENGINES[spec["engine"]](model, spec, mesh) or model
+    if spec.get("meta_init"):
+        model = build_sharded(spec, rank, device, mesh)
+    else:
+        model = build(spec, rank, device)
+        if not single:
+            model = ENGINES[spec["engine"]](model, spec, mesh) or model
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=spec["lr"])
@@ -279,6 +342,11 @@ def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, pr
                peak_delta_mb=None if None in peaks else max(peaks), tiers=out["tiers"],
                norm_counts=counts if norm_counts is not None else None,
                local_ms_per_rank=_gather(out["median_ms"]))  # fmt: skip
+    if spec.get("meta_init"):  # the frozen base every implementation trained: the same values in each
+        frozen = [_local(p).double().sum() for p in model.parameters() if not p.requires_grad]
+        total = torch.stack(frozen).sum()
+        dist.all_reduce(total)
+        rec["base_sum"] = total.item()
     if zero:
         model.destroy()
     else:
@@ -318,8 +386,11 @@ def norm_check(spec: dict, device: torch.device, mesh, world: int, proc: int) ->
     """:func:`check_norms` on the spec's first rank, sharded as :func:`shard_fsdp2` (the launcher sends an fp32 spec:
     no rounding hides a wrong row), after one forward and backward, so FSDP2's state is that of training."""
     rank = spec["ranks"][0]
-    model = build(spec, rank, device)
-    shard_fsdp2(model, spec, mesh)
+    if spec.get("meta_init"):
+        model = build_sharded(spec, rank, device, mesh)
+    else:
+        model = build(spec, rank, device)
+        shard_fsdp2(model, spec, mesh)
     model.train()
     ids = batches(spec, world, proc, device)[0]
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()

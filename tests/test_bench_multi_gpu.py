@@ -173,6 +173,29 @@ def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
 
 
 @pytest.mark.slow
+def test_cpu_smoke_meta_init(tmp_path):
+    """``--meta-init`` (FSDP2 for models one GPU cannot hold whole): the decoder layers built on the meta device and
+    only each process's shards made real; ours and LoRA train on the same frozen base (its sum over the shards) and
+    every step's gradients are proved; no single-process reference; refused with another engine or --quant."""
+    out = tmp_path / "meta.json"
+    rc = bench_multi_gpu.main([
+        "--device", "cpu", "--shape", "tiny", "--layers", "2", "--ranks", "4", "--seq", "16", "--steps", "2",
+        "--warmup", "1", "--rounds", "1", "--nproc", "2", "--impls", "ours,lora", "--use-installed", "--meta-init",
+        "--no-norm-check", "--workdir", str(tmp_path / "work"), "--out", str(out),
+    ])  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert rc == 0 and not doc["errors"], doc["errors"]
+    assert doc["config"]["meta_init"] and {r["impl"] for r in doc["records"]} == {"ours", "lora"}
+    ours, lora = sorted(doc["records"], key=lambda r: r["impl"] != "ours")
+    assert ours["base_sum"] == lora["base_sum"] and math.isfinite(ours["base_sum"]) and ours["base_sum"] != 0
+    for r in (ours, lora):
+        assert r["grad_proof"]["ok"] and all(math.isfinite(x) for x in r["losses"]), r
+    for flags in (("--engine", "zero3"), ("--quant", "nf4")):
+        with pytest.raises(SystemExit, match="meta-init"):
+            _cfg("--meta-init", *flags)
+
+
+@pytest.mark.slow
 def test_cpu_smoke_qdora_under_fsdp2(tmp_path):
     """``--quant nf4``: the decoder projections bitsandbytes NF4 in bf16 storage, QDoRA and QLoRA under FSDP2 on two
     gloo processes, every step proved, and ours in one process on the global batch with the same losses."""
