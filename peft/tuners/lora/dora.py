@@ -36,7 +36,17 @@ from torch.nn.modules import module as _nn_module
 from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 
 from . import dora_decode, dora_dist, dora_fused, dora_norm, dora_quant, dora_settings
-from .dora_cache import KeyedMemo, LayerReuse, capturing, memoised, prefetch_zero_test, reused, source, watch_merges
+from .dora_cache import (
+    KeyedMemo,
+    LayerReuse,
+    PartitionZeroTest,
+    capturing,
+    memoised,
+    prefetch_zero_test,
+    reused,
+    source,
+    watch_merges,
+)
 from .dora_cache import invalidate_norm_caches as invalidate_norm_caches  # public here, as documented
 from .dora_cache import norm_counts as norm_counts  # public here, as documented
 from .dora_dispatch import (
@@ -262,6 +272,8 @@ class DoraLinearLayer(nn.Module):
             shard = dora_dist.magnitude_shard(magnitude)
             if shard is not None:  # FSDP2: the answer is kept for the magnitude's shard, not its gathered copy
                 zero_free = KeyedMemo(zero_free, (shard.local,), shard.versions(), shard)
+            elif hasattr(magnitude, "ds_id") and PartitionZeroTest.applies(magnitude):
+                zero_free = PartitionZeroTest()  # DeepSpeed ZeRO-3: one test of all partitions per step
             if not gates.grad and magnitude.requires_grad and magnitude.is_cuda:
                 # the no-grad first pass of a reentrant checkpoint: start the magnitude's zero test now, so that the
                 # training node of the recompute (in the backward) finds the answer instead of waiting for the GPU

@@ -11,9 +11,11 @@ trained adapters and the eval logits around in-place edits of B and m equal upst
 signature check; the GPU machine's PyTorch is older.
 """
 
+import os
+
 import pytest
 import torch
-from test_dora_fsdp2_cpu import _train
+from test_dora_fsdp2_cpu import MODULES, _train
 from test_dora_interchange import upstream_env  # noqa: F401  (the fixture: a pure upstream install)
 
 
@@ -35,3 +37,18 @@ def test_deepspeed_training_equals_upstream(tmp_path, upstream_env, engine):  # 
     assert (ours["eval"]["logits"][0] - ours["eval"]["logits"][1]).abs().max() > 1e-2  # the edits changed them
     if engine == "zero3":  # nothing kept across ZeRO-3's gathers: every norm computed in every forward
         assert all(c.get("norm_computed") == 14 and not c.get("norm_reused") for c in ours["counts"])
+
+
+def test_zero3_fused_tiers_test_the_magnitudes_once_per_step(tmp_path, upstream_env):  # noqa: F811
+    """The fused training nodes (Triton under ``TRITON_INTERPRET=1`` on CPU tensors) under ZeRO-3 with checkpointing:
+    upstream's losses, and the magnitudes' zero test once per step for all of them (``PartitionZeroTest``: each
+    rank's partitions, one all-reduce), not once per module and step (a host sync each on a GPU), as before."""
+    pytest.importorskip("deepspeed")
+    flags = ("--engine", "zero3", "--optim", "sgd")
+    fused = _train(tmp_path, 2, *flags, "--checkpointing", "1", env=dict(os.environ, TRITON_INTERPRET="1"))
+    upstream = _train(tmp_path, 2, *flags, env=upstream_env[1])
+    torch.testing.assert_close(torch.tensor(fused["losses"]), torch.tensor(upstream["losses"]), rtol=1e-5, atol=1e-5)
+    counts = fused["counts"]
+    assert all(c.get("tier_fused_backward") == 2 * MODULES for c in counts), counts[:2]  # forward and recompute
+    assert counts[0]["zero_tests"] == MODULES  # the first step: each new magnitude joins the test once
+    assert all(c["zero_tests"] == 1 for c in counts[1:]), [c["zero_tests"] for c in counts]

@@ -397,3 +397,51 @@ def test_norm_graph_switch_parsed_and_cpu_never_graphs(dora_env):
     layer = model.base_model.model.lin0
     assert layer.lora_magnitude_vector["default"]._reuse.graph.graph is None
     assert copy.deepcopy(layer).lora_magnitude_vector["default"]._reuse.graph.key is None
+
+
+def test_zero3_partition_zero_test_once_per_step_and_never_stale(tmp_path):
+    """``dora_cache.PartitionZeroTest`` on stand-ins for DeepSpeed ZeRO-3 magnitudes (``ds_tensor``: the rank's
+    partition; ``ds_process_group``), in a one-process gloo group: the first asker after an optimizer step tests
+    every magnitude of the group asked about so far, once; a new magnitude, an optimizer step, a merge, or an edit
+    of the asking magnitude's partition (its version) tests again; a zero in any of them answers "keep the buffer"
+    (False) for all until the next test."""
+    import torch.distributed as dist
+
+    from peft.tuners.lora import dora_cache
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process already")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    tests, has_zero = [0], dora_cache._has_zero
+
+    def counted(*parts):
+        tests[0] += 1
+        return has_zero(*parts)
+
+    def magnitude(values):
+        m = nn.Parameter(torch.empty(0))
+        m.ds_tensor, m.ds_process_group, m.ds_id = torch.tensor(values), dist.group.WORLD, 0
+        return m
+
+    dora_cache._has_zero = counted
+    try:
+        known = dora_cache.PartitionZeroTest()
+        m1, m2 = magnitude([1.0, 2.0]), magnitude([3.0])
+        assert known.get((m1,)) is True and tests[0] == 1
+        assert known.get((m2,)) is True and tests[0] == 2  # a new member: both tested again
+        assert known.get((m1,)) is True and known.get((m2,)) is True and tests[0] == 2  # the kept answer
+        with torch.no_grad():
+            m2.ds_tensor[0] = 0.0  # an edit of the partition: its version moves
+        assert known.get((m2,)) is False and tests[0] == 3
+        assert known.get((m1,)) is False and tests[0] == 3  # a zero anywhere keeps every node's buffer
+        with torch.no_grad():
+            m2.ds_tensor.data[0] = 5.0  # through .data (as DeepSpeed writes partitions): no version moves...
+        dora_cache._after_optimizer_step()  # ...but the optimizer step that wrote it ends the answer
+        assert known.get((m1,)) is True and tests[0] == 4
+        dora_cache.invalidate_norm_caches()  # a merge too
+        assert known.get((m2,)) is True and tests[0] == 5
+        assert dora_cache.output_saves_itself(m1, known) is True and tests[0] == 5  # as the training nodes ask
+    finally:
+        dora_cache._has_zero = has_zero
+        dora_cache.PartitionZeroTest._groups.clear()
+        dist.destroy_process_group()
