@@ -427,9 +427,11 @@ class PartitionZeroTest:
 
     @classmethod
     def applies(cls, magnitude: torch.Tensor) -> bool:
-        return isinstance(getattr(magnitude, "ds_tensor", None), torch.Tensor) and hasattr(
-            magnitude, "ds_process_group"
-        )
+        """A ZeRO-3 magnitude whose partition is on its device: not one offloaded to the CPU or NVMe (there the
+        partition may be swapped out, and NCCL reduces GPU tensors only), which keeps the per-node test."""
+        part = getattr(magnitude, "ds_tensor", None)
+        on_device = isinstance(part, torch.Tensor) and part.device == magnitude.device
+        return on_device and hasattr(magnitude, "ds_process_group")
 
     def get(self, tensors, extra=()) -> bool:
         import torch.distributed as dist

@@ -441,6 +441,9 @@ def test_zero3_partition_zero_test_once_per_step_and_never_stale(tmp_path):
         dora_cache.invalidate_norm_caches()  # a merge too
         assert known.get((m2,)) is True and tests[0] == 5
         assert dora_cache.output_saves_itself(m1, known) is True and tests[0] == 5  # as the training nodes ask
+        assert dora_cache.PartitionZeroTest.applies(m1)
+        m1.ds_tensor = torch.tensor([1.0], device="meta")  # offloaded elsewhere: the node's own test instead
+        assert not dora_cache.PartitionZeroTest.applies(m1)
     finally:
         dora_cache._has_zero = has_zero
         dora_cache.PartitionZeroTest._groups.clear()
