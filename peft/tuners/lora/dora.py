@@ -428,8 +428,8 @@ class DoraLinearLayer(nn.Module):
     def _unit_followers(self, weight, lora_A, lora_B, scaling, shards) -> list:
         """The jobs ``(layer, W, A, B, s, shards, extra)`` of the DoRA Linears after this one in its FSDP2 unit whose
         norms this one computes with its own: gathered on the same group in the same dtype, not kept already (their
-        own memo would answer, or their norm is waiting), and called since their last waiting norm (else they leave
-        the unit's list)."""
+        own memo would answer, or their norm is waiting), and called since their last waiting norm (else they are left
+        out until they lead again)."""
         jobs = []
         for layer, w, a, b, s in dora_dist.unit_norms(shards.unit).followers(self, weight, lora_A, lora_B, scaling):
             sh = dora_dist.norm_shards(w, a, b)
@@ -437,7 +437,7 @@ class DoraLinearLayer(nn.Module):
                 continue
             ex, waiting = _shard_extra(w, a, b, s, sh), layer._reuse.batched
             if waiting.value is not None:
-                if waiting.get(sh.keys, ex) is None:  # not called since its last one (or edited since): drop it
+                if waiting.get(sh.keys, ex) is None:  # not called since its last one (or edited since)
                     waiting.clear()
                     dora_dist.unit_norms(shards.unit).drop(layer)
                 continue  # else its norm is waiting already

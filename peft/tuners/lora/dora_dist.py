@@ -268,32 +268,38 @@ class UnitNorms:
     finds its norm waiting (``LayerReuse.batched``, keyed on its shards, versions and scaling as its own memo: an
     edit in between, or another scaling, and it computes its own). Every rank of the group takes the same
     decisions (the same forwards, shapes, versions and memos), so the collectives match. A layer whose waiting norm
-    was never taken (not called since, e.g. another adapter active) leaves the list until it asks again."""
+    was never taken (not called since, e.g. another adapter active) is left out until it leads again; it keeps its
+    place in the order."""
 
     __slots__ = ("members",)
 
     def __init__(self) -> None:
-        self.members: dict = {}  # id(layer) -> (weakref to the layer, weakrefs to W, A, B, scaling); insertion order
+        # id(layer) -> [weakref to the layer, weakrefs to W, A, B, scaling, active]; in first-asked order
+        self.members: dict = {}
 
     def followers(self, layer, weight, lora_A, lora_B, scaling) -> list:
-        """Note ``layer``'s call and return ``(layer, W, A, B, scaling)`` of the live members after it."""
-        entry = (weakref.ref(layer), weakref.ref(weight), weakref.ref(lora_A), weakref.ref(lora_B), scaling)
+        """Note ``layer``'s call (a known layer keeps its place) and return ``(layer, W, A, B, scaling)`` of the live,
+        active members after it."""
         key = id(layer)
-        self.members[key] = entry  # a known layer keeps its place
+        self.members[key] = [weakref.ref(layer), weakref.ref(weight), weakref.ref(lora_A), weakref.ref(lora_B),
+                             scaling, True]  # fmt: skip
         out, after = [], False
-        for member_key, (layer_ref, *refs, s) in list(self.members.items()):
+        for member_key, (layer_ref, *refs, s, active) in list(self.members.items()):
             if member_key == key:
                 after = True
                 continue
             live = (layer_ref(), *(r() for r in refs))
             if any(t is None for t in live):
                 del self.members[member_key]
-            elif after:
+            elif after and active:
                 out.append((*live, s))
         return out
 
     def drop(self, layer) -> None:
-        self.members.pop(id(layer), None)
+        """Leave ``layer`` out of later batches until it leads again."""
+        entry = self.members.get(id(layer))
+        if entry is not None:
+            entry[-1] = False
 
 
 _unit_norms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FSDPParamGroup -> UnitNorms

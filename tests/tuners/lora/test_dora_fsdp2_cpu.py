@@ -378,3 +378,27 @@ def test_fsdp2_mixed_precision_as_close_to_fp32_as_upstream(tmp_path, upstream_e
     for step, counts in enumerate(ours["counts"]):
         assert counts.get("norm_computed") == counts.get("norm_reused") == MODULES, (step, counts)
         assert counts.get("w_sq_computed", 0) == (MODULES if step == 0 else 0), (step, counts)
+
+
+def test_unit_norms_keep_the_forward_order():
+    """``dora_dist.UnitNorms``: the members after a leader, in the order they first asked; a dropped member (its
+    waiting norm never taken) is left out but keeps its place, and is back once it leads again; a deleted layer
+    leaves."""
+    from torch import nn
+
+    from peft.tuners.lora import dora_dist
+
+    unit = dora_dist.UnitNorms()
+    layers = [nn.Module() for _ in range(4)]
+    tensors = [[torch.zeros(1) for _ in range(3)] for _ in layers]
+
+    def followers(i):
+        return [layers.index(f[0]) for f in unit.followers(layers[i], *tensors[i], 0.5)]
+
+    assert [followers(i) for i in range(4)] == [[], [], [], []]  # the first forward: each leads alone, in order
+    assert followers(0) == [1, 2, 3] and followers(2) == [3]
+    unit.drop(layers[1])
+    assert followers(0) == [2, 3]
+    assert followers(1) == [2, 3] and followers(0) == [1, 2, 3]  # led again: back, in its place
+    layers[2] = nn.Module()  # the old layer 2 is gone; the new one joins at the end when it asks
+    assert followers(0) == [1, 3] and followers(2) == [] and followers(0) == [1, 3, 2]
