@@ -39,7 +39,6 @@ from . import dora_decode, dora_dist, dora_fused, dora_norm, dora_quant, dora_se
 from .dora_cache import (
     KeyedMemo,
     LayerReuse,
-    PartitionZeroTest,
     capturing,
     memoised,
     prefetch_zero_test,
@@ -272,8 +271,8 @@ class DoraLinearLayer(nn.Module):
             shard = dora_dist.magnitude_shard(magnitude)
             if shard is not None:  # FSDP2: the answer is kept for the magnitude's shard, not its gathered copy
                 zero_free = KeyedMemo(zero_free, (shard.local,), shard.versions(), shard)
-            elif hasattr(magnitude, "ds_id") and PartitionZeroTest.applies(magnitude):
-                zero_free = PartitionZeroTest()  # DeepSpeed ZeRO-3: one test of all partitions per step
+            elif hasattr(magnitude, "ds_id") and dora_dist.PartitionZeroTest.applies(magnitude):
+                zero_free = dora_dist.PartitionZeroTest()  # DeepSpeed ZeRO-3: one test of all partitions per step
             if not gates.grad and magnitude.requires_grad and magnitude.is_cuda:
                 # the no-grad first pass of a reentrant checkpoint: start the magnitude's zero test now, so that the
                 # training node of the recompute (in the backward) finds the answer instead of waiting for the GPU

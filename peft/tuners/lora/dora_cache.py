@@ -410,53 +410,6 @@ def prefetch_zero_tests() -> None:
             known.put((magnitude,), started)
 
 
-class PartitionZeroTest:
-    """The zero test (:func:`output_saves_itself`) of DeepSpeed ZeRO-3's partitioned magnitudes, as a ``known`` memo.
-    A gathered ZeRO-3 magnitude is new storage at every gather, so a memo on it misses and every node would read
-    the GPU once per module and step (14 host syncs per step of a 2-layer model). Instead the first node that asks
-    after an optimizer step tests the partitions (``ds_tensor``, each rank its own) of every ZeRO-3 magnitude of its
-    process group asked about so far, and one all-reduce (max) gives every rank the answer for all of them: one host
-    read per step, as :func:`prefetch_zero_tests` gives plain magnitudes (a zero anywhere keeps every node's
-    ``inner`` buffer until the next step). The answer holds until the next optimizer step or merge (the epoch:
-    DeepSpeed steps through the torch optimizer it wraps, and writes the new partitions before the next forward),
-    until a magnitude not yet tested asks, or until the asking magnitude's partition moves its version (an edit
-    through ``GatheredParameters``). Every rank of the group asks in the same order with the same versions, so each
-    reaches the collective. Kept per group; ``put`` keeps nothing (the answer is the test's)."""
-
-    _groups: dict = {}  # id(process group) -> [group, members {magnitude: partition version}, epoch, answer]
-
-    @classmethod
-    def applies(cls, magnitude: torch.Tensor) -> bool:
-        """A ZeRO-3 magnitude whose partition is on its device: not one offloaded to the CPU or NVMe (there the
-        partition may be swapped out, and NCCL reduces GPU tensors only), which keeps the per-node test."""
-        part = getattr(magnitude, "ds_tensor", None)
-        on_device = isinstance(part, torch.Tensor) and part.device == magnitude.device
-        return on_device and hasattr(magnitude, "ds_process_group")
-
-    def get(self, tensors, extra=()) -> bool:
-        import torch.distributed as dist
-
-        magnitude = tensors[0]
-        group = magnitude.ds_process_group
-        state = self._groups.get(id(group))
-        if state is None or state[0] is not group:
-            state = self._groups[id(group)] = [group, WeakIdKeyDictionary(), None, None]
-        members = state[1]
-        if state[2] == _epoch[0] and members.get(magnitude) == magnitude.ds_tensor._version:
-            return state[3]
-        members[magnitude] = None  # a new member joins at the end, in the same order on every rank
-        parts = [m.ds_tensor for m in members]
-        has_zero = _has_zero(*parts).to(torch.float32)
-        dist.all_reduce(has_zero, op=dist.ReduceOp.MAX, group=group)
-        for m, part in zip(list(members), parts):
-            members[m] = part._version
-        state[2], state[3] = _epoch[0], not bool(has_zero)
-        return state[3]
-
-    def put(self, tensors, value, extra=()):
-        return value
-
-
 def prefetch_shard_zero_tests(optimizer) -> None:
     """Start the zero test of every FSDP2-sharded magnitude ``optimizer`` has just stepped, keyed as the next forward
     asks (``KeyedMemo``: the local shard, the sharded parameter's new version, the gathered copy's version, which

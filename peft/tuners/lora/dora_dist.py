@@ -29,6 +29,9 @@ do the same for the scale, the decode factors and the magnitude's zero test.
 FSDP2 publishes no map from a gathered parameter to its shard; the one private read (its per-module state and
 ``FSDPParam`` objects) is :func:`_index`, and anything it does not find computes the norm as without FSDP2.
 
+DeepSpeed ZeRO-3 gathers a magnitude into new storage at every gather: :class:`PartitionZeroTest` tests its
+partitions for zeros, once per optimizer step for all of them.
+
 FSDP1 (``FullyShardedDataParallel``) holds a unit's parameters whole only inside that unit's own forward. PEFT's
 ``fsdp_auto_wrap_policy``, which accelerate and the Trainer apply to a PEFT model, makes every ``lora_A``, ``lora_B``
 and magnitude module a unit of its own: outside their forwards their weights are flat shards (``use_orig_params``) or
@@ -46,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import dora_cache
 from .dora_cache import norm_counts
 
 
@@ -311,6 +315,51 @@ def unit_norms(unit) -> UnitNorms:
     if norms is None:
         norms = _unit_norms[unit] = UnitNorms()
     return norms
+
+
+class PartitionZeroTest:
+    """The zero test (``dora_cache.output_saves_itself``) of DeepSpeed ZeRO-3's partitioned magnitudes, as its
+    ``known`` memo. A gathered ZeRO-3 magnitude is new storage at every gather, so a memo on it misses and every node
+    would read the GPU once per module and step (14 host syncs per step of a 2-layer model). Instead the first node
+    that asks after an optimizer step tests the partitions (``ds_tensor``, each rank its own) of every ZeRO-3
+    magnitude of its process group asked about so far, and one all-reduce (max) gives every rank the answer for all
+    of them: one host read per step, as ``dora_cache.prefetch_zero_tests`` gives plain magnitudes (a zero anywhere
+    keeps every node's ``inner`` buffer until the next step). The answer holds until the next optimizer step or merge
+    (the epoch: DeepSpeed steps through the torch optimizer it wraps, and writes the new partitions before the next
+    forward), until a magnitude not yet tested asks, or until the asking magnitude's partition moves its version (an
+    edit through ``GatheredParameters``). Every rank of the group asks in the same order with the same versions, so
+    each reaches the collective. Kept per group; ``put`` keeps nothing (the answer is the test's)."""
+
+    _groups: dict = {}  # id(process group) -> [group, members {magnitude: partition version}, epoch, answer]
+
+    @classmethod
+    def applies(cls, magnitude: torch.Tensor) -> bool:
+        """A ZeRO-3 magnitude whose partition is on its device: not one offloaded to the CPU or NVMe (there the
+        partition may be swapped out, and NCCL reduces GPU tensors only), which keeps the per-node test."""
+        part = getattr(magnitude, "ds_tensor", None)
+        on_device = isinstance(part, torch.Tensor) and part.device == magnitude.device
+        return on_device and hasattr(magnitude, "ds_process_group")
+
+    def get(self, tensors, extra=()) -> bool:
+        magnitude = tensors[0]
+        group = magnitude.ds_process_group
+        state = self._groups.get(id(group))
+        if state is None or state[0] is not group:
+            state = self._groups[id(group)] = [group, WeakIdKeyDictionary(), None, None]
+        members = state[1]
+        if state[2] == dora_cache._epoch[0] and members.get(magnitude) == magnitude.ds_tensor._version:
+            return state[3]
+        members[magnitude] = None  # a new member joins at the end, in the same order on every rank
+        parts = [m.ds_tensor for m in members]
+        has_zero = dora_cache._has_zero(*parts)  # through the module: counted where tests count it.to(torch.float32)
+        dist.all_reduce(has_zero, op=dist.ReduceOp.MAX, group=group)
+        for m, part in zip(list(members), parts):
+            members[m] = part._version
+        state[2], state[3] = dora_cache._epoch[0], not bool(has_zero)
+        return state[3]
+
+    def put(self, tensors, value, extra=()):
+        return value
 
 
 def fsdp1_unit(module: torch.nn.Module) -> bool:

@@ -1,5 +1,5 @@
 """DoRA under DeepSpeed ZeRO-3 on two GPUs (NCCL, ``torchrun``): the fused training nodes test the magnitudes for
-zeros once per optimizer step for all of them (``dora_cache.PartitionZeroTest``: each rank's partitions, one
+zeros once per optimizer step for all of them (``dora_dist.PartitionZeroTest``: each rank's partitions, one
 all-reduce), so a step waits for the GPU at most once more than plain LoRA's under the same engine; before, every
 node read its gathered magnitude on the host (14 syncs per step of this 2-layer model).
 

@@ -400,14 +400,14 @@ def test_norm_graph_switch_parsed_and_cpu_never_graphs(dora_env):
 
 
 def test_zero3_partition_zero_test_once_per_step_and_never_stale(tmp_path):
-    """``dora_cache.PartitionZeroTest`` on stand-ins for DeepSpeed ZeRO-3 magnitudes (``ds_tensor``: the rank's
+    """``dora_dist.PartitionZeroTest`` on stand-ins for DeepSpeed ZeRO-3 magnitudes (``ds_tensor``: the rank's
     partition; ``ds_process_group``), in a one-process gloo group: the first asker after an optimizer step tests
     every magnitude of the group asked about so far, once; a new magnitude, an optimizer step, a merge, or an edit
     of the asking magnitude's partition (its version) tests again; a zero in any of them answers "keep the buffer"
     (False) for all until the next test."""
     import torch.distributed as dist
 
-    from peft.tuners.lora import dora_cache
+    from peft.tuners.lora import dora_cache, dora_dist
 
     if dist.is_initialized():
         pytest.skip("a process group exists in this process already")
@@ -425,7 +425,7 @@ def test_zero3_partition_zero_test_once_per_step_and_never_stale(tmp_path):
 
     dora_cache._has_zero = counted
     try:
-        known = dora_cache.PartitionZeroTest()
+        known = dora_dist.PartitionZeroTest()
         m1, m2 = magnitude([1.0, 2.0]), magnitude([3.0])
         assert known.get((m1,)) is True and tests[0] == 1
         assert known.get((m2,)) is True and tests[0] == 2  # a new member: both tested again
@@ -441,10 +441,10 @@ def test_zero3_partition_zero_test_once_per_step_and_never_stale(tmp_path):
         dora_cache.invalidate_norm_caches()  # a merge too
         assert known.get((m2,)) is True and tests[0] == 5
         assert dora_cache.output_saves_itself(m1, known) is True and tests[0] == 5  # as the training nodes ask
-        assert dora_cache.PartitionZeroTest.applies(m1)
+        assert dora_dist.PartitionZeroTest.applies(m1)
         m1.ds_tensor = torch.tensor([1.0], device="meta")  # offloaded elsewhere: the node's own test instead
-        assert not dora_cache.PartitionZeroTest.applies(m1)
+        assert not dora_dist.PartitionZeroTest.applies(m1)
     finally:
         dora_cache._has_zero = has_zero
-        dora_cache.PartitionZeroTest._groups.clear()
+        dora_dist.PartitionZeroTest._groups.clear()
         dist.destroy_process_group()
