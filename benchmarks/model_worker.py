@@ -127,7 +127,8 @@ def seed_adapters(model, seed: int, init_range: float, zero_b: bool = False, ada
     in every adapter of one model: a plain-LoRA twin gets the DoRA adapter's A and B).
 
     A ~ N(0, 1/d_in); B sized so that ``s·B·A·x`` is about a tenth of ``W·x`` (never zeros: they time faster and
-    hide errors); the magnitude is the fp32 row norm of W times (1 + 0.1·N(0, 1)), so ``g`` differs from 1.
+    hide errors); the magnitude is the fp32 row norm of W times (1 + 0.1·N(0, 1)), so ``g`` differs from 1. Also on
+    an FSDP2-sharded model (``multi_gpu_worker.build_sharded``): each process writes its own rows of the same values.
     """
     for name, module in sorted(model.named_modules()):
         if not hasattr(module, "lora_A") or adapter not in module.lora_A:
@@ -136,18 +137,31 @@ def seed_adapters(model, seed: int, init_range: float, zero_b: bool = False, ada
         b = module.lora_B[adapter].weight
         dev = a.device
         r, d_in = a.shape
-        a.copy_(torch.randn(a.shape, generator=_gen(dev, seed, name, "A"), device=dev) / math.sqrt(d_in))
+        a.copy_(
+            _laid_out_as(a, torch.randn(a.shape, generator=_gen(dev, seed, name, "A"), device=dev) / math.sqrt(d_in))
+        )
         if zero_b:
             b.zero_()
         else:
             std = 0.2 * init_range * math.sqrt(d_in) / r
-            b.copy_(torch.randn(b.shape, generator=_gen(dev, seed, name, "B"), device=dev) * std)
+            b.copy_(_laid_out_as(b, torch.randn(b.shape, generator=_gen(dev, seed, name, "B"), device=dev) * std))
         mags = getattr(module, "lora_magnitude_vector", None)
         if mags is not None and adapter in mags and not zero_b:
             m = mags[adapter].weight
             w = dequantized(module.get_base_layer())
-            noise = torch.randn(m.shape, generator=_gen(dev, seed, name, "m"), device=dev)
+            noise = _laid_out_as(m, torch.randn(m.shape, generator=_gen(dev, seed, name, "m"), device=dev))
             m.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 0.1 * noise))
+
+
+def _laid_out_as(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` as ``param`` holds it: for an FSDP2-sharded parameter (a DTensor) this process's rows of it, every
+    process having drawn the same ``full`` (no communication); else ``full`` itself."""
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None:
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(param.dtype), mesh, param.placements, src_data_rank=None)
 
 
 @torch.no_grad()

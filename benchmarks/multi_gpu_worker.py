@@ -180,9 +180,9 @@ def build_sharded(spec: dict, rank: int, device: torch.device, mesh):
     device, PEFT's adapters on them there, ``fully_shard`` as the benchmark shards, then each layer's shards made real
     on ``device`` (``to_empty``) and filled: projection weights N(0, initializer_range) and norm weights 1 drawn per
     parameter name and process (the same model in every implementation launched on as many processes, not the same
-    as :func:`build`'s), A and B as ``seed_adapters`` draws them (this process's rows), the magnitudes the row norms
-    of this process's rows of W times the same noise. Returns the model, sharded."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    as :func:`build`'s), then A, B and the magnitudes by ``seed_adapters`` (this process's rows of them). Returns the
+    model, sharded."""
+    from torch.distributed.tensor import DTensor
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from peft import LoraConfig, get_peft_model
@@ -201,37 +201,30 @@ def build_sharded(spec: dict, rank: int, device: torch.device, mesh):
     model.base_model.model.enable_input_require_grads()
     shard_fsdp2(model, spec, mesh)
     proc, seed, init_range = dist.get_rank(), cfg["seed"], cfg["config_kwargs"]["initializer_range"]
-    with torch.no_grad():
+    with torch.no_grad():  # the base's shards; then the adapters as everywhere (their rows of the same values)
         for layer in model.base_model.model.model.layers:
             layer.to_empty(device=device)
             named = dict(layer.named_parameters(prefix=f"layer{layer.self_attn.layer_idx}"))
             for name, param in named.items():
                 local = param.to_local() if isinstance(param, DTensor) else param
                 if "lora_" in name:
-                    continue  # below, per adapted module
+                    continue  # seed_adapters', below
                 if name.endswith("norm.weight"):
                     local.fill_(1.0)
                 else:
                     gen = mw._gen(device, seed, name, proc, "W")
                     local.copy_(torch.randn(local.shape, generator=gen, device=device) * init_range)
-            for name, module in layer.named_modules(prefix=f"layer{layer.self_attn.layer_idx}"):
-                if not hasattr(module, "lora_A") or "default" not in module.lora_A:
-                    continue
-                a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
-                d_in = a.shape[1]
-                full = torch.randn(a.shape, generator=mw._gen(device, seed, name, "A"), device=device) / d_in**0.5
-                a.copy_(distribute_tensor(full.to(a.dtype), a.device_mesh, a.placements, src_data_rank=None))
-                std = 0.2 * init_range * d_in**0.5 / rank
-                full = torch.randn(b.shape, generator=mw._gen(device, seed, name, "B"), device=device) * std
-                b.copy_(distribute_tensor(full.to(b.dtype), b.device_mesh, b.placements, src_data_rank=None))
-                mags = getattr(module, "lora_magnitude_vector", None)
-                if mags is not None and "default" in mags:
-                    m, w = mags["default"].weight, module.get_base_layer().weight
-                    noise = torch.randn(m.shape, generator=mw._gen(device, seed, name, "m"), device=device)
-                    noise = distribute_tensor(noise, m.device_mesh, m.placements, src_data_rank=None).to_local()
-                    norms = torch.linalg.vector_norm(w.to_local().float(), dim=1)
-                    m.to_local().copy_(norms * (1 + 0.1 * noise))
+    mw.seed_adapters(model, seed, init_range)
     return model
+
+
+def build_wrapped(spec: dict, rank: int, device: torch.device, mesh, engine: bool = True):
+    """The model of :func:`build` wrapped by the spec's engine (``ENGINES``; DeepSpeed's ZeRO wraps it later, with its
+    optimizer), or not (``engine=False``: the single-process reference); with ``meta_init``, :func:`build_sharded`."""
+    if spec.get("meta_init"):
+        return build_sharded(spec, rank, device, mesh)
+    model = build(spec, rank, device)
+    return (ENGINES[spec["engine"]](model, spec, mesh) or model) if engine else model
 
 
 def quantize(base, kind: str, device, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -282,12 +275,7 @@ def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, pr
     from peft.tuners.lora import dora
 
     single = spec["task"] == "single"
-    if spec.get("meta_init"):
-        model = build_sharded(spec, rank, device, mesh)
-    else:
-        model = build(spec, rank, device)
-        if not single:
-            model = ENGINES[spec["engine"]](model, spec, mesh) or model
+    model = build_wrapped(spec, rank, device, mesh, engine=not single)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=spec["lr"])
@@ -386,11 +374,7 @@ def norm_check(spec: dict, device: torch.device, mesh, world: int, proc: int) ->
     """:func:`check_norms` on the spec's first rank, sharded as :func:`shard_fsdp2` (the launcher sends an fp32 spec:
     no rounding hides a wrong row), after one forward and backward, so FSDP2's state is that of training."""
     rank = spec["ranks"][0]
-    if spec.get("meta_init"):
-        model = build_sharded(spec, rank, device, mesh)
-    else:
-        model = build(spec, rank, device)
-        shard_fsdp2(model, spec, mesh)
+    model = build_wrapped(spec, rank, device, mesh)
     model.train()
     ids = batches(spec, world, proc, device)[0]
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()

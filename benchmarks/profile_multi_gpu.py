@@ -97,8 +97,7 @@ def run_variant(variant: str, spec: dict, rank: int, device, mesh, world: int, p
         dora_dist._row_group = own
     try:
         spec = dict(spec, impl={"name": variant, "dora": variant != "lora"})
-        model = mgw.build(spec, rank, device)
-        model = mgw.ENGINES[spec["engine"]](model, spec, mesh) or model
+        model = mgw.build_wrapped(spec, rank, device, mesh)
         model.train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec["lr"])
         zero = spec["engine"].startswith("zero")

@@ -429,8 +429,8 @@ class DoraLinearLayer(nn.Module):
         norms this one computes with its own: gathered on the same group in the same dtype, not kept already (their
         own memo would answer, or their norm is waiting), and called since their last waiting norm (else they are left
         out until they lead again)."""
-        jobs = []
-        for layer, w, a, b, s in dora_dist.unit_norms(shards.unit).followers(self, weight, lora_A, lora_B, scaling):
+        jobs, unit = [], dora_dist.unit_norms(shards.unit)
+        for layer, w, a, b, s in unit.followers(self, weight, lora_A, lora_B, scaling):
             sh = dora_dist.norm_shards(w, a, b)
             if sh is None or sh.unit is not shards.unit or sh.group is not shards.group or w.dtype != weight.dtype:
                 continue
@@ -438,7 +438,7 @@ class DoraLinearLayer(nn.Module):
             if waiting.value is not None:
                 if waiting.get(sh.keys, ex) is None:  # not called since its last one (or edited since)
                     waiting.clear()
-                    dora_dist.unit_norms(shards.unit).drop(layer)
+                    unit.drop(layer)
                 continue  # else its norm is waiting already
             if reuse_mode(layer, (w, a, b)) == "any" and layer._reuse.norm.get(sh.keys, ex) is not None:
                 continue
