@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import qdora_worker as qw  # noqa: E402
+from timing import python_hotspots  # noqa: E402
 
 
 def model_spec(layers: int) -> dict:
@@ -89,6 +90,7 @@ def main() -> int:
             "wall_ms_per_step": (end - start) / 1000.0 / 2,
             "kernels": table(prof, 30),
             "cpu_ops": cpu_table(prof, 30),
+            "python": python_hotspots(step, calls=2, under="peft"),  # the host's Python time by function
         }
         print(kind, "gpu busy ms/step", round(gpu_ms, 2), "wall", round(result[kind]["wall_ms_per_step"], 2))
         for row in result[kind]["kernels"][:18]:

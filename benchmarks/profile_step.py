@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model as bm  # noqa: E402
 import model_worker as mw  # noqa: E402
+from timing import python_hotspots  # noqa: E402
 
 
 RUNTIME_CALLS = ("LaunchKernel", "GraphLaunch", "Synchronize", "Memcpy", "HostAlloc", "EventRecord", "EventQuery")
@@ -69,7 +70,7 @@ def top(prof, steps: int, device: bool, n: int = 20) -> list:
 
 
 def profile_kind(
-    base, cfg, point, dora: bool, repeats: int, device: torch.device, compile_mode=None
+    base, cfg, point, dora: bool, repeats: int, device: torch.device, compile_mode=None, pystats: bool = False
 ) -> tuple[dict, object]:
     impl = {"name": "dora" if dora else "lora", "dora": dora}
     modules = list(bm.GRID_TARGETS[point["targets"]])
@@ -124,6 +125,8 @@ def profile_kind(
         "top_host_ops": top(prof, 1, device=False),
         "top_kernels": top(prof, 1, device=True),
     }
+    if pystats:  # the host's Python time by function, three steps under cProfile
+        res["python"] = python_hotspots(step, calls=3, under="peft")
     if dora:
         from peft.tuners.lora import dora as dora_mod
 
@@ -138,6 +141,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cuda; cpu runs every code path (a smoke test, no timings)")
     p.add_argument("--layers", type=int, help="override the shape's decoder layers (a CPU smoke: 1)")
     p.add_argument("--compile", help="torch.compile mode for both kinds (default, max-autotune-no-cudagraphs, ...)")
+    p.add_argument("--pystats", action="store_true", help="also record the host's Python time by function (cProfile)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     import transformers
@@ -163,7 +167,7 @@ def main() -> int:
         base = bases[point["shape"]]
         out = {}
         for kind in ("lora", "dora", "lora_again"):
-            res, base = profile_kind(base, cfg, point, kind == "dora", args.repeats, device, args.compile)
+            res, base = profile_kind(base, cfg, point, kind == "dora", args.repeats, device, args.compile, args.pystats)
             base.disable_input_require_grads()
             out[kind] = res
             mw.release()

@@ -261,6 +261,12 @@ def _policy(n_rows: int, n_cols: int) -> tuple[int, int, int]:
 # 4096 / 14336 took 54 / 120 / 150 µs with 4096 programs (8 rows each at d_out 4096: a partial buffer a quarter the size
 # of d_out's read, and a column sum walking 512 bands in 16 programs), 10.7 / 40 / 126 µs with these.
 _BACKWARD_PROGRAMS = 1024
+
+# Up to this many gradient elements the one-node branch's backward (``FusedDoRALinearFunction``) has its kernel write
+# the LoRA output's gradient g·s·d_y instead of applying g·s to B's rows and to d_B: the step is host-bound there
+# (small ranks, few tokens), and the extra [tokens, d_out] write and read (48 MB in bf16 at this size, ~10 µs on an
+# H200) cost less than the two ops and three allocations they replace. Above it the gradient is never written.
+SCALED_BRANCH_GRAD_NUMEL = 1 << 23
 _BACKWARD_MAX_BANDS = 64
 
 
@@ -573,7 +579,8 @@ class FusedDoRALinearFunction(torch.autograd.Function):
 
     * the backward applies g·s to B (``[d_out, r]``) instead of to the incoming gradient: ``d_a = d_y·(g·s·B)``,
       ``d_B = (g·s)·(d_yᵀ·a)``, so the ``[tokens, d_out]`` gradient of the LoRA output is never written or read
-      (it is rounded once less, too);
+      (it is rounded once less, too); up to ``SCALED_BRANCH_GRAD_NUMEL`` elements, where the step is host-bound,
+      the kernel writes that gradient instead and B and d_B are used as they are;
     * B's compute-dtype copy is made in the forward and the backward instead of being saved (under autocast,
       PyTorch's matmul saves it, and its cast cache holds every adapter's copy until the autocast region ends);
     * the saved tensors are ``a`` and ``y`` (or ``inner``), as for separate nodes.
@@ -622,12 +629,18 @@ class FusedDoRALinearFunction(torch.autograd.Function):
             )
         gs = None  # g·s as a column [d_out, 1]: scales B's rows before d_a and d_B's rows after
         if layout is not None:
-            gs = torch.empty((d_out, 1), dtype=torch.float32, device=d_y.device) if needs_branch else None
-            _, d_result, d_mag = _backward_triton(
-                d_y, saved, magnitude, ctx.scale, False, needs_result, needs_mag, layout, weight_norm, ctx.eps,
+            # few rows: the kernel writes d_lora = g·s·d_y itself, which costs a [tokens, d_out] write and read but
+            # saves the g·s column, B's scaled copy and d_B's scaling (three allocations and two ops of host time)
+            scaled = needs_branch and d_y.numel() <= SCALED_BRANCH_GRAD_NUMEL
+            gs = None
+            if needs_branch and not scaled:
+                gs = torch.empty((d_out, 1), dtype=torch.float32, device=d_y.device)
+            d_lora, d_result, d_mag = _backward_triton(
+                d_y, saved, magnitude, ctx.scale, scaled, needs_result, needs_mag, layout, weight_norm, ctx.eps,
                 bias, ctx.from_output, gs_out=gs,
             )  # fmt: skip
-            d_lora = d_y
+            if not scaled:
+                d_lora = d_y
         else:  # a layout the kernel leaves alone (e.g. a broadcast gradient), or zero tokens: d_lora = g·s·d_y
             d_result, d_lora, d_mag = _output_backward_torch(
                 d_y, saved, magnitude, weight_norm, ctx.scale, ctx.eps, needs_result, needs_branch, needs_mag, bias,

@@ -677,20 +677,29 @@ def _branch_step(model, x, mode, one_node, monkeypatch, d_y=None, checkpointed=F
     return y.detach(), x.grad, grads, len(calls)
 
 
+@pytest.mark.parametrize("scaled_grad", (False, True))
 @pytest.mark.parametrize("checkpointed", (False, True))
 @pytest.mark.parametrize("bias", (False, True))
 @pytest.mark.parametrize("mode", ("fp32", "autocast", "bf16"))
-def test_one_node_branch_matches_separate_nodes(mode, bias, checkpointed, monkeypatch):
+def test_one_node_branch_matches_separate_nodes(mode, bias, checkpointed, scaled_grad, monkeypatch):
     """The same output bitwise as the separate LoRA-branch nodes (the forward does the same matmuls and kernel);
-    gradients equal in fp32; in bf16 both are compared with an fp64 run: g·s is applied to B instead of to d_y, one
-    rounding of a [tokens, d_out] tensor fewer, so the one-node gradients are no further from fp64."""
+    gradients equal in fp32; in bf16 both are compared with an fp64 run: above SCALED_BRANCH_GRAD_NUMEL g·s is
+    applied to B instead of to d_y, one rounding of a [tokens, d_out] tensor fewer, so the one-node gradients are no
+    further from fp64; up to it (``scaled_grad``) the kernel writes g·s·d_y, as the separate nodes compute it."""
     import copy
 
+    monkeypatch.setattr(F, "SCALED_BRANCH_GRAD_NUMEL", 1 << 23 if scaled_grad else 0)
+    asked = []
+    backward = F._backward_triton
+    spy = lambda *a, **k: asked.append((a[4], k.get("gs_out"))) or backward(*a, **k)  # noqa: E731
+    monkeypatch.setattr(F, "_backward_triton", spy)
     model = _branch_model(bias, torch.bfloat16 if mode == "bf16" else torch.float32)
     x = torch.randn(4, 9, 24, generator=torch.Generator().manual_seed(1))
     x = x.to(torch.float32 if mode == "fp32" else torch.bfloat16)
     d_y = torch.randn(4, 9, 33, generator=torch.Generator().manual_seed(2)).to(x.dtype)
     y1, dx1, g1, n1 = _branch_step(model, x, mode, True, monkeypatch, d_y, checkpointed)
+    # every one-node backward took the path asked for: the kernel's d_lora, or g·s for B's rows and d_B
+    assert len(asked) == 2 and all(lora_grad is scaled_grad and (gs is None) is scaled_grad for lora_grad, gs in asked)
     y0, dx0, g0, n0 = _branch_step(model, x, mode, False, monkeypatch, d_y, checkpointed)
     assert (n1, n0) == ((4 if checkpointed else 2), 0)
     assert torch.equal(y1, y0)
