@@ -55,6 +55,16 @@ def build(args):
     return LlamaForCausalLM(config)
 
 
+def parameters_sharded(model) -> bool:
+    """Whether the engine keeps each parameter in pieces across processes: FSDP2's DTensors, ZeRO-3's partitions
+    (``ds_id``), or FSDP1 units that shard their flat parameter (any strategy but NO_SHARD, on several ranks)."""
+    for module in model.modules():
+        if type(module).__name__ == "FullyShardedDataParallel":
+            if module.sharding_strategy.name != "NO_SHARD" and module.world_size > 1:
+                return True
+    return any(type(q).__name__ == "DTensor" or hasattr(q, "ds_id") for q in model.parameters())
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a causal LM on the Hub or on disk (default: a Llama built from --size)")
@@ -96,7 +106,7 @@ def main(argv=None):
     trainer = Trainer(model=model, args=training, train_dataset=train)
     trainer.train()
     losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
-    sharded = any(type(q).__name__ == "DTensor" or hasattr(q, "ds_id") for q in trainer.model_wrapped.parameters())
+    sharded = parameters_sharded(trainer.model_wrapped)
     if trainer.is_world_process_zero():
         print(f"engine: {trainer.accelerator.distributed_type}, {trainer.accelerator.num_processes} processes, "
               f"parameters sharded: {sharded}")  # fmt: skip
