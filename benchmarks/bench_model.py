@@ -160,8 +160,10 @@ GRIDS = {"default": (GRID_SHAPES, GRID_ROWS), "tiny": (TINY_GRID_SHAPES, TINY_GR
 GRID_IMPLS = ("upstream", "ours_fused", "lora")
 GRID_ROUND_IMPLS = ["ours_fused", "lora"]  # upstream runs once: only its training speed-up is a headline key
 GRID_DECODE = {"pairs": 4, "steps": 6}  # ABBA pairs of DoRA/LoRA adapters; 1-token forwards timed per side and pair
+GRID_TRAIN_PAIRS = 4  # ABBA pairs of DoRA/LoRA training steps in one process (model_worker.train_step_paired)
 TRAIN_MEASURES = ("train", "train_accum4")
-GRID_RATIOS = TRAIN_MEASURES + ("infer", "decode_step_paired")  # ours fused / LoRA per point
+PAIRED = ("train_step_paired", "decode_step_paired")  # ratios of steps timed back to back in one process
+GRID_RATIOS = TRAIN_MEASURES + ("train_step_paired", "infer", "decode_step_paired")  # ours fused / LoRA per point
 
 
 def point_label(shape: str, mode: str, rank: int, seq: int, batch: int, targets: str, dropout: float) -> str:
@@ -182,10 +184,10 @@ def grid_points(name: str) -> list:
 def grid_measures(cfg: dict, impl: str) -> list:
     """What ``impl`` measures at a grid point: upstream the training step (its speed-up is the only upstream key, and
     its decode costs 3-4x ours), every other impl train, x4 accumulation (at the points that ask) and inference,
-    and the DoRA impls of ``--paired-impls`` the 1-token decode paired with a LoRA twin."""
+    and the DoRA impls of ``--paired-impls`` the training step and the 1-token decode paired with a LoRA twin."""
     if impl == "upstream":
         return ["train"]
-    paired = ["decode_step_paired"] if impl in cfg["decode_paired"]["impls"] else []
+    paired = list(PAIRED) if impl in cfg["decode_paired"]["impls"] else []
     return ["train", "train_accum4", "infer"] + paired
 
 
@@ -432,6 +434,7 @@ def grid_config(args, cfg: dict) -> dict:
             "models": models,
             "points": points,
             "decode": {"pairs": cfg["decode_paired"]["pairs"], "steps": GRID_DECODE["steps"]},
+            "train_pairs": GRID_TRAIN_PAIRS,
         },
         "ranks": sorted({p["rank"] for p in points}),
         "measures": sorted({m for i in cfg["impls"] for m in grid_measures(cfg, i)}, key=GRID_RATIOS.index),
@@ -641,6 +644,8 @@ def point_cost_s(cfg: dict, point: dict, impl: str) -> float:
         total += (max(1, cfg["warmup"] - 1) + cfg["repeats"]) * 4 * train
     if "infer" in measures:
         total += reps * infer
+    if "train_step_paired" in measures:  # two warm-up pairs, then the pairs
+        total += (cfg["grid"].get("train_pairs", GRID_TRAIN_PAIRS) + 2) * 2 * train
     if "decode_step_paired" in measures:  # a warm-up pair, then the pairs: each side prefills, then steps
         decode_cfg = cfg["grid"]["decode"]
         total += (decode_cfg["pairs"] + 1) * 2 * (infer + decode_cfg["steps"] * decode)
@@ -717,7 +722,8 @@ def run_job(job: dict, cfg: dict, targets: dict, workdir: Path, timeout: float |
         spec["measures"] = grid_measures(cfg, name)
         points = job_points(cfg, job)
         models = {s: m for s, m in grid["models"].items() if any(p["shape"] == s for p in points)}
-        spec["grid"] = {"models": models, "points": points, "decode": grid["decode"]}
+        spec["grid"] = {"models": models, "points": points, "decode": grid["decode"],
+                        "train_pairs": grid.get("train_pairs", GRID_TRAIN_PAIRS)}  # fmt: skip
     spec_path = workdir / f"spec_{tag}.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     Path(spec["result"]).unlink(missing_ok=True)
@@ -875,7 +881,7 @@ def speed_value(doc: dict, impl: str, mode: str, measure: str, rank: int, key: s
 def proof_ok(record: dict) -> bool:
     """Whether a training record proved that every round trained (:class:`model_worker.GradProof`). A grid record
     must carry the proof; a record of an older run without one passes."""
-    if record["measure"] not in TRAIN_MEASURES:
+    if record["measure"] not in TRAIN_MEASURES + ("train_step_paired",):
         return True
     proofs = [x.get("grad_proof") for x in record.get("rounds") or [record]]
     return all((p or {}).get("ok", "point" not in record) for p in proofs)
@@ -949,18 +955,20 @@ def compiled_headline_values(doc: dict) -> dict:
 
 
 def grid_ratios(doc: dict) -> list:
-    """Per point of the run's grid: ours fused / LoRA for each measure the point has (decode: the median of every
-    pair's ratio), and upstream / ours fused for the training step; None where a record is missing or failed its
-    gradient proof."""
+    """Per point of the run's grid: ours fused / LoRA for each measure the point has (the paired training step and
+    decode: the median of every pair's ratio), and upstream / ours fused for the training step; None where a record
+    is missing or failed its gradient proof."""
     rows = []
+    taken = {r["measure"] for r in doc.get("speed", [])}  # a run before train_step_paired existed has none
     for p in doc["config"]["grid"]["points"]:
         at = dict(mode=p["mode"], rank=p["rank"], point=p["label"])
         ratios = {}
         for measure in GRID_RATIOS:
-            if measure == "train_accum4" and not p["accum4"]:
+            if measure not in taken or (measure == "train_accum4" and not p["accum4"]):
                 continue
-            if measure == "decode_step_paired":
-                paired = speed_value(doc, "ours_fused", measure=measure, key="ratio_median", **at)
+            if measure in PAIRED:
+                record = _record(doc, "ours_fused", at["mode"], measure, at["rank"], at["point"])
+                paired = None if record is None or not proof_ok(record) else record.get("ratio_median")
                 ratios[measure] = None if paired is None else round(paired, 4)
             else:
                 ratios[measure] = time_ratio(doc, "ours_fused", "lora", measure=measure, **at)
@@ -975,6 +983,8 @@ GRID_WORST = (  # headline key, modes, measures: the largest ours fused / LoRA o
     ("grid_worst_dora_over_lora_infer", ("autocast",), ("infer",)),
     ("grid_worst_dora_over_lora_infer_bf16", ("bf16",), ("infer",)),
     ("grid_worst_dora_over_lora_decode", MODES, ("decode_step_paired",)),
+    ("grid_worst_dora_over_lora_train_paired", ("autocast",), ("train_step_paired",)),
+    ("grid_worst_dora_over_lora_train_paired_bf16", ("bf16",), ("train_step_paired",)),
 )
 
 
@@ -1222,7 +1232,8 @@ def _fmt(x, spec: str = ".3f") -> str:
 def print_grid(doc: dict) -> None:
     print(f"\n== {doc['kind']} grid on {doc['env'].get('gpu')}: ours fused / LoRA per point (x: upstream / ours) ==")
     for row in grid_ratios(doc):
-        cells = "  ".join(f"{m.replace('_step_paired', '')} {_fmt(v)}" for m, v in row["dora_over_lora"].items())
+        names = {"train_step_paired": "train(paired)", "decode_step_paired": "decode"}
+        cells = "  ".join(f"{names.get(m, m)} {_fmt(v)}" for m, v in row["dora_over_lora"].items())
         print(f"{row['point']['label']:44s} {cells}  x{_fmt(row['speedup_vs_upstream_train'], '.2f')}")
     print("headline (worst over the grid): " + json.dumps(grid_headline_values(doc)))
 

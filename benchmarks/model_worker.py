@@ -485,11 +485,12 @@ def decode_paired(model, cfg, rank, mode, device, pairs: int) -> dict:
     return out
 
 
-def alternate(measure_name: str, timings: dict, pairs: int) -> dict:
-    """A paired record: ``timings["dora"]()`` and ``timings["lora"]()`` (each returns ms) after one warm-up call
+def alternate(measure_name: str, timings: dict, pairs: int, warmup: int = 1) -> dict:
+    """A paired record: ``timings["dora"]()`` and ``timings["lora"]()`` (each returns ms) after ``warmup`` calls
     each, then ``pairs`` times in ABBA order; DoRA's samples, LoRA's, and every pair's DoRA/LoRA ratio."""
-    for fn in timings.values():  # warm-up: compile, plans, caches
-        fn()
+    for _ in range(warmup):  # compile, plans, caches, the norm graphs (captured on a layer's second training norm)
+        for fn in timings.values():
+            fn()
     times = {"dora": [], "lora": []}
     counts0 = tier_counts()
     for k in range(pairs):
@@ -586,12 +587,7 @@ def decode_step_paired(model, cfg, point: dict, device, pairs: int, steps: int) 
     a cache grown across calls made whichever side ran first in a pair the slow one. Decode is host-bound, and
     subprocesses minutes apart see different host speeds; two adapters timed back to back see the same."""
     mode = point["mode"]
-    twin = lora_config(point["rank"], False, point["modules"], point["dropout"])
-    with torch.device(model.device):
-        model.add_adapter(TWIN, twin, autocast_adapter_dtype=(mode == "autocast"))
-    if mode == "bf16":
-        model.to(torch.bfloat16)
-    seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"], adapter=TWIN)
+    add_lora_twin(model, cfg, point)
     model.eval()
     ids, _ = make_inputs(cfg, device)
     token, timer, kv = ids[:, :1], Timer(device), cache_kwarg(model)
@@ -612,6 +608,62 @@ def decode_step_paired(model, cfg, point: dict, device, pairs: int, steps: int) 
     out = alternate("decode_step_paired", {"dora": lambda: step_ms("default"), "lora": lambda: step_ms(TWIN)}, pairs)
     model.set_adapter("default")
     model.train()
+    return out
+
+
+def add_lora_twin(model, cfg, point: dict) -> None:
+    """The plain-LoRA adapter ``TWIN`` beside the point's DoRA adapter (same rank, targets, dropout and seeded A and
+    B), once per wrapped model; the DoRA adapter stays the active one."""
+    if TWIN in model.peft_config:
+        return
+    twin = lora_config(point["rank"], False, point["modules"], point["dropout"])
+    with torch.device(model.device):
+        model.add_adapter(TWIN, twin, autocast_adapter_dtype=(point["mode"] == "autocast"))
+    if point["mode"] == "bf16":
+        model.to(torch.bfloat16)
+    seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"], adapter=TWIN)
+
+
+def train_step_paired(model, cfg, point: dict, device, pairs: int) -> dict:
+    """The training step (forward with the model's gradient checkpointing, backward, AdamW step) of the DoRA adapter
+    against a plain-LoRA twin adapter on the same base model (:func:`add_lora_twin`), in ABBA pairs
+    (:func:`alternate`), each side with its own optimizer over its own adapter's tensors. At small ranks and few
+    tokens a step is host-bound, and a host's speed drifts by up to 2x within a minute: the ``train`` records of the
+    DoRA and LoRA subprocesses can land in different phases, two steps back to back share one. Every step's
+    gradients are proved (:class:`GradProof`, per side) and the record keeps both proofs."""
+    add_lora_twin(model, cfg, point)
+    model.train()
+    ids, labels = make_inputs(cfg, device)
+    timer, sides = Timer(device), {}
+    for name, adapter in (("dora", "default"), ("lora", TWIN)):
+        model.set_adapter(adapter)  # only the active adapter's tensors require gradients
+        params = [p for p in model.parameters() if p.requires_grad]
+        sides[name] = (adapter, torch.optim.AdamW(params, lr=1e-6, foreach=True), GradProof(model))
+
+    def step_ms(name: str) -> float:
+        adapter, optimizer, proof = sides[name]
+        model.set_adapter(adapter)
+        model.zero_grad(set_to_none=True)
+        times: list = []
+        with timer.region(times):
+            with precision_ctx(point["mode"], device):
+                loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+            loss.backward()
+            optimizer.step()
+        proof()
+        return times[0]
+
+    # two warm-up steps per side, as the ``train`` measure takes: with one, the first timed DoRA step captured the
+    # norm graphs (H200, llama1b grid: every point's first pair ratio 1.2-1.5x its others)
+    out = alternate("train_step_paired", {name: lambda name=name: step_ms(name) for name in sides}, pairs, warmup=2)
+    out["grad_proof"] = sides["dora"][2].result()
+    out["lora_grad_proof"] = sides["lora"][2].result()
+    if not out["lora_grad_proof"]["ok"]:  # a LoRA side that did not train makes no ratio either
+        out["grad_proof"] = dict(out["grad_proof"], ok=False)
+    model.set_adapter("default")
+    model.zero_grad(set_to_none=True)
+    sides.clear()  # the optimizers and their state
+    release()
     return out
 
 
@@ -647,6 +699,8 @@ def grid_shape(spec, impl, device, cfg: dict, points: list, records: list, error
             model = wrap(base, pcfg, point["rank"], impl, point["mode"], point["modules"], point["dropout"])
             seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
             res = speed_rank(model, pcfg, point["mode"], device, measures, spec["warmup"], spec["repeats"])
+            if "train_step_paired" in measures:
+                res["train_step_paired"] = train_step_paired(model, pcfg, point, device, grid["train_pairs"])
             if "decode_step_paired" in measures:
                 res["decode_step_paired"] = decode_step_paired(model, pcfg, point, device, **grid["decode"])
             where = {k: point[k] for k in ("mode", "rank", "shape", "seq", "batch", "targets", "dropout")}

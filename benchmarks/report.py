@@ -143,14 +143,16 @@ def render_grid(doc: dict) -> str:
     import bench_model  # beside this file
 
     rows, env = bench_model.grid_ratios(doc), doc["env"]
-    measures = (("train", "train step"), ("infer", "inference"), ("decode_step_paired", "1-token decode"))
+    measures = (("train", "train step"), ("train_step_paired", "train step (paired)"), ("infer", "inference"),
+                ("decode_step_paired", "1-token decode"))  # fmt: skip
     lines = []
     if doc["kind"] != "gpu":
         lines += ["**CPU smoke run: these numbers only show that the pipeline works; they are not a benchmark.**", ""]
     lines += [
         f"{len(rows)} grid points on {env.get('gpu')}, driver {env.get('driver')}, torch {env.get('torch')}, triton "
         f"{env.get('triton')}, transformers {env.get('transformers')}; {env.get('date')}. Ours fused / plain LoRA time "
-        "(median of per-round ratios; decode paired in one process), the worst point of each shape and mode with "
+        "(median of per-round ratios; paired: DoRA and a LoRA twin adapter stepped back to back in one process, the "
+        "median of the pairs' ratios), the worst point of each shape and mode with "
         "where it is (train: the step or, marked accum4, the ×4 accumulation step); speed-up = upstream DoRA / ours.",
         "",
         "| shape | mode | " + " | ".join(f"worst {label}" for _, label in measures) + " | median train | "
@@ -405,6 +407,7 @@ def plot_ratios(doc: dict, path: Path) -> Path | None:
 GRID_PANELS = (  # measure (or the upstream speed-up), file suffix, label, target, is a larger value worse
     ("train", "train", "training step, ours fused / LoRA", 1.10, True),
     ("train_accum4", "train_accum4", "x4 accumulation step, ours fused / LoRA", 1.10, True),
+    ("train_step_paired", "train_paired", "training step (paired in one process), ours fused / LoRA", 1.10, True),
     ("infer", "infer", "inference forward, ours fused / LoRA", 1.05, True),
     ("decode_step_paired", "decode", "1-token decode (paired in one process), ours fused / LoRA", 1.10, True),
     ("speedup_vs_upstream_train", "speedup_vs_upstream", "training step, upstream DoRA / ours fused", 1.3, False),

@@ -51,7 +51,8 @@ def test_grid_runs_in_interleaved_rounds_within_three_device_calls():
     one = _cfg("--grid-shapes", "llama8b", "--modes", "bf16")["grid"]["points"]
     assert {(p["shape"], p["mode"]) for p in one} == {("llama8b", "bf16")}
     assert bench_model.grid_measures(cfg, "upstream") == ["train"]
-    assert "decode_step_paired" in bench_model.grid_measures(cfg, "ours_fused")
+    assert {"train_step_paired", "decode_step_paired"} <= set(bench_model.grid_measures(cfg, "ours_fused"))
+    assert cfg["grid"]["train_pairs"] == bench_model.GRID_TRAIN_PAIRS
     with pytest.raises(SystemExit, match="--grid"):
         _cfg("--ranks", "8")
 
@@ -216,3 +217,25 @@ def test_gradient_proof_checks_every_timed_step_of_a_real_model():
     torch.nn.init.zeros_(model.lora_B.weight)
     model_worker.measure(step, torch.device("cpu"), 1, 2, before=zero, after=proof)
     assert proof.result()["bad_names"] == ["lora_A.weight"]
+
+
+def test_paired_training_steps_give_their_own_worst_case_and_need_their_proof():
+    """``train_step_paired`` (DoRA and a LoRA twin stepped back to back in one process): the worst per-point median
+    of the pair ratios per mode, beside the subprocess ``train`` keys; a record whose proof failed gives no ratio."""
+    a = _point("llama1b", "autocast", 8)
+    b = _point("llama3b", "autocast", 16)
+    c = _point("llama8b", "bf16", 64)
+    records = []
+    for point, ratios in ((a, [1.3, 1.1, 1.2]), (b, [1.05, 1.4, 1.1]), (c, [1.02, 1.04, 1.06])):
+        records += _point_records(point, ours=[11.0, 11.0], lora=[10.0, 10.0], upstream=30.0, decode=[1.0])
+        records.append(_rec("ours_fused", point, "train_step_paired", 10.0, 0, pair_ratios=ratios,
+                            ratio_median=sorted(ratios)[1], lora_median_ms=9.0,
+                            grad_proof={"ok": True}, lora_grad_proof={"ok": True}))  # fmt: skip
+    head = bench_model.headline_values(_grid_doc([a, b, c], records))
+    assert head["grid_worst_dora_over_lora_train_paired"] == pytest.approx(1.2)  # a's 1.2 over b's 1.1
+    assert head["grid_worst_dora_over_lora_train_paired_at"] == a["label"]
+    assert head["grid_worst_dora_over_lora_train_paired_bf16"] == pytest.approx(1.04)
+    assert head["grid_worst_dora_over_lora_train"] == pytest.approx(1.1) and head["grid_points"] == 3
+    records[-1]["grad_proof"] = {"ok": False, "bad_names": ["lora_magnitude_vector.default.weight"]}
+    head = bench_model.headline_values(_grid_doc([a, b, c], records))
+    assert head["grid_worst_dora_over_lora_train_paired_bf16"] is None and head["grid_points"] == 2
