@@ -645,7 +645,7 @@ def point_cost_s(cfg: dict, point: dict, impl: str) -> float:
     if "infer" in measures:
         total += reps * infer
     if "train_step_paired" in measures:  # two warm-up pairs, then the pairs
-        total += (cfg["grid"].get("train_pairs", GRID_TRAIN_PAIRS) + 2) * 2 * train
+        total += (cfg["grid"]["train_pairs"] + 2) * 2 * train
     if "decode_step_paired" in measures:  # a warm-up pair, then the pairs: each side prefills, then steps
         decode_cfg = cfg["grid"]["decode"]
         total += (decode_cfg["pairs"] + 1) * 2 * (infer + decode_cfg["steps"] * decode)
@@ -722,8 +722,7 @@ def run_job(job: dict, cfg: dict, targets: dict, workdir: Path, timeout: float |
         spec["measures"] = grid_measures(cfg, name)
         points = job_points(cfg, job)
         models = {s: m for s, m in grid["models"].items() if any(p["shape"] == s for p in points)}
-        spec["grid"] = {"models": models, "points": points, "decode": grid["decode"],
-                        "train_pairs": grid.get("train_pairs", GRID_TRAIN_PAIRS)}  # fmt: skip
+        spec["grid"] = dict(models=models, points=points, decode=grid["decode"], train_pairs=grid["train_pairs"])
     spec_path = workdir / f"spec_{tag}.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     Path(spec["result"]).unlink(missing_ok=True)

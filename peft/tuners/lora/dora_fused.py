@@ -629,10 +629,9 @@ class FusedDoRALinearFunction(torch.autograd.Function):
             )
         gs = None  # g·s as a column [d_out, 1]: scales B's rows before d_a and d_B's rows after
         if layout is not None:
-            # few rows: the kernel writes d_lora = g·s·d_y itself, which costs a [tokens, d_out] write and read but
-            # saves the g·s column, B's scaled copy and d_B's scaling (three allocations and two ops of host time)
+            # few rows: the kernel writes d_lora = g·s·d_y itself, a [tokens, d_out] buffer written and read, in place
+            # of the g·s column, B's scaled copy and d_B's scaled copy (three buffers and two multiplies of host time)
             scaled = needs_branch and d_y.numel() <= SCALED_BRANCH_GRAD_NUMEL
-            gs = None
             if needs_branch and not scaled:
                 gs = torch.empty((d_out, 1), dtype=torch.float32, device=d_y.device)
             d_lora, d_result, d_mag = _backward_triton(
