@@ -66,6 +66,7 @@ SHAPES = {
              "vocab_size": 128, "max_position_embeddings": 4096},
 }  # fmt: skip
 PRECISIONS = ("bf16", "mp")
+GPU_KEYS = ("multi_gpu_gpu", "eight_gpu_gpu")  # headline keys naming the GPUs: the 8B-class runs', the 70B-class runs'
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -107,9 +108,10 @@ def parse_args(argv=None):
     a("--timeout-s", type=float, default=600.0, help="per launch; the launch's process group is killed after it")
     a("--deadline-min", type=float, help="start no launch after this many minutes (skipped launches are listed)")
     a("--no-single", action="store_true", help="skip the single-process reference (ours, no engine, global batch)")
-    a("--meta-init", action="store_true", help="FSDP2: decoder layers built on the meta device, only each process's "
-      "shards made real (seeded per name and process): for models one GPU cannot hold whole (70B, 80 layers); no "
-      "single-process reference")  # fmt: skip
+    a("--meta-init", action="store_true", help="no process holds the model whole in its parameter dtype, for models "
+      "one GPU cannot hold (70B, 80 layers): FSDP2 builds the decoder layers on the meta device and makes only each "
+      "process's shards real (seeded per name and process); ZeRO-3 builds under deepspeed.zero.Init; --quant builds "
+      "and quantizes a decoder layer at a time; no single-process reference")  # fmt: skip
     a("--no-norm-check", action="store_true", help="skip FSDP2's sharded-norm check (ours, all fp32, first rank)")
     a("--plan", action="store_true", help="print what would run and the estimated seconds, then stop")
     return p.parse_args(argv)
@@ -120,8 +122,8 @@ def resolve_config(args) -> dict:
     layers = args.layers if args.layers is not None else (2 if args.shape == "tiny" else 4)
     kwargs = dict(LLAMA, **SHAPES[args.shape], num_hidden_layers=layers)
     gpu = args.device.startswith("cuda")
-    if args.meta_init and (args.engine != "fsdp2" or args.quant):
-        raise SystemExit("--meta-init: FSDP2 without --quant only (bitsandbytes quantizes whole weights)")
+    if args.meta_init and args.engine not in ("fsdp2", "zero3"):
+        raise SystemExit("--meta-init: FSDP2 or ZeRO-3 only (FSDP1 and ZeRO-2 hold whole parameters before they shard)")
     if args.quant and (args.engine != "fsdp2" or args.precision != "bf16"):
         # FSDP2's mixed precision would cast the packed 4-bit storage; FSDP1 and ZeRO have not been wired here
         raise SystemExit("--quant: FSDP2 with --precision bf16 only (the packed weights must not be cast)")
@@ -384,17 +386,25 @@ def headline_values(doc: dict) -> dict:
     largest |loss − single-process loss| and the sharded norm's largest relative error (FSDP2). A ``--quant`` run
     (QDoRA against QLoRA) has keys of its own, ``qdora_<engine>_*``."""
     rows, engine, impls = summarize(doc), doc["config"]["engine"], set(doc["config"]["impls"])
+    big = doc["config"]["shape"] == "70b"  # the 70B-class run (issue 23's keys, eight_gpu_*: on 8 or fewer GPUs)
     prefix = "multi_gpu_" + ("" if engine == "fsdp2" else f"{engine}_")
     names = {
         "ratio": f"{engine}_dora_over_lora_train",
         "speed": f"{engine}_train_speedup_vs_upstream",
         "peak": prefix + "peak_delta_over_lora_pct",
         "single": prefix + "loss_max_abs_diff_vs_single_gpu",
+        "gpu": "multi_gpu_gpu",
     }
+    if big:
+        e = f"eight_gpu_{engine}"
+        names = {"ratio": f"{e}_dora_over_lora_train", "speed": f"{e}_speedup_vs_upstream",
+                 "peak": f"{e}_peak_delta_over_lora_pct", "single": f"{e}_loss_max_abs_diff_vs_single_gpu",
+                 "gpu": "eight_gpu_gpu"}  # fmt: skip
     if doc["config"].get("quant"):  # QDoRA against QLoRA: keys of their own
-        names = {"ratio": f"qdora_{engine}_over_qlora_train", "speed": f"qdora_{engine}_train_speedup_vs_upstream",
-                 "peak": f"qdora_{engine}_peak_delta_over_qlora_pct",
-                 "single": f"qdora_{engine}_loss_max_abs_diff_vs_single_gpu"}  # fmt: skip
+        first = "eight_gpu_qdora" if big else "qdora"
+        names = {"ratio": f"{first}_{engine}_over_qlora_train", "speed": f"{first}_{engine}_train_speedup_vs_upstream",
+                 "peak": f"{first}_{engine}_peak_delta_over_qlora_pct",
+                 "single": f"{first}_{engine}_loss_max_abs_diff_vs_single_gpu", "gpu": names["gpu"]}  # fmt: skip
     out = {}  # a key only where the run had the impls it compares (a run of the references alone sets no ratio)
     if {"ours", "lora"} <= impls:
         out[names["ratio"]] = _worst([r["dora_over_lora"]["ours"] for r in rows], max)
@@ -402,7 +412,7 @@ def headline_values(doc: dict) -> dict:
     if {"ours", "upstream"} <= impls:
         out[names["speed"]] = _worst([r["speedup_vs_upstream"] for r in rows], min)
     if out and doc["kind"] == "gpu":
-        out["multi_gpu_gpu"] = f"{doc['config']['nproc']}x {doc.get('env', {}).get('gpu')}"
+        out[names["gpu"]] = f"{doc['config']['nproc']}x {doc.get('env', {}).get('gpu')}"
     if any(r["impl"] == "single" for r in doc["records"]):
         diffs = [r["loss_max_abs_diff_vs_single_gpu"] for r in rows]
         out[names["single"]] = _worst(diffs, max, ".3g")
@@ -543,27 +553,30 @@ def run(args, argv: list) -> int:
 def headline_from(paths: list, headline: Path) -> int:
     """The headline keys of committed runs, recomputed from their JSON (``summarize`` over the records as they ran).
     A key that several runs set (the same engine in both precisions) takes the worst of them: the smallest speed-up,
-    the largest of the rest; ``multi_gpu_gpu`` names each run's GPUs with the engines run on them where they differ."""
-    merged, gpus, kinds = {}, {}, set()
+    the largest of the rest; ``multi_gpu_gpu`` (``eight_gpu_gpu`` for the 70B runs) names each run's GPUs with the
+    engines run on them where they differ."""
+    merged, gpus, kinds = {}, {key: {} for key in GPU_KEYS}, set()
     for path in paths:
         doc = json.loads(Path(path).read_text())
         values = headline_values(doc)
         kinds.add(doc["kind"])
         print(f"{path}: {json.dumps(values)}")
-        gpu = values.pop("multi_gpu_gpu", None)
-        if gpu is not None:
-            gpus.setdefault(gpu, []).append(doc["config"]["engine"])
+        for key in GPU_KEYS:
+            gpu = values.pop(key, None)
+            if gpu is not None:
+                gpus[key].setdefault(gpu, []).append(doc["config"]["engine"])
         for key, value in values.items():
             if key in merged:  # unknown (None) in either: unknown
                 pick = min if key.endswith("speedup_vs_upstream") else max
                 value = None if None in (value, merged[key]) else pick(value, merged[key])
             merged[key] = value
-    if gpus:
-        merged["multi_gpu_gpu"] = (
-            next(iter(gpus))
-            if len(gpus) == 1
-            else "; ".join(f"{gpu} ({', '.join(dict.fromkeys(engines))})" for gpu, engines in gpus.items())
-        )
+    for key, runs in gpus.items():
+        if runs:
+            merged[key] = (
+                next(iter(runs))
+                if len(runs) == 1
+                else "; ".join(f"{gpu} ({', '.join(dict.fromkeys(engines))})" for gpu, engines in runs.items())
+            )
     written = bench_model.write_headline("gpu" if kinds == {"gpu"} else "cpu", merged, headline)
     print(f"updated {headline}: {json.dumps(written)}")
     return 0

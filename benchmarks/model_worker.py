@@ -148,9 +148,20 @@ def seed_adapters(model, seed: int, init_range: float, zero_b: bool = False, ada
         mags = getattr(module, "lora_magnitude_vector", None)
         if mags is not None and adapter in mags and not zero_b:
             m = mags[adapter].weight
-            w = dequantized(module.get_base_layer())
+            base = module.get_base_layer()
             noise = _laid_out_as(m, torch.randn(m.shape, generator=_gen(dev, seed, name, "m"), device=dev))
-            m.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 0.1 * noise))
+            with _gathered(base.weight):  # a ZeRO-3 partition built under zero.Init is whole only gathered
+                w = dequantized(base)
+                m.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 0.1 * noise))
+
+
+def _gathered(param: torch.Tensor):
+    """DeepSpeed's read-only gather of a ZeRO-3 partitioned parameter; nothing for any other."""
+    if not hasattr(param, "ds_id"):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([param])
 
 
 def _laid_out_as(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

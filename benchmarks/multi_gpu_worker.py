@@ -77,16 +77,18 @@ def deepspeed_engine(model, opt, spec: dict):
     op to build), bf16 on GPUs (fp32 master weights in ZeRO's optimizer, as DeepSpeed runs bf16), fp32 on CPU."""
     import deepspeed
 
-    cuda = spec["device"].startswith("cuda")
-    config = {
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(spec))
+    return engine, opt
+
+
+def deepspeed_config(spec: dict) -> dict:
+    return {
         "train_micro_batch_size_per_gpu": spec["batch"],
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": int(spec["engine"][-1])},
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": cuda},
+        "bf16": {"enabled": spec["device"].startswith("cuda")},
     }
-    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    return engine, opt
 
 
 # An engine is ``shard(model, spec, mesh)``, called after the adapters are seeded and cast and gradient checkpointing
@@ -154,15 +156,29 @@ class ShardedGradProof(mw.GradProof):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def build(spec: dict, rank: int, device: torch.device):
+def build(spec: dict, rank: int, device: torch.device, zero_init: bool = False):
     """The seeded base in the run's parameter dtype, LoRA/DoRA (alpha 2r) on all linear projections with seeded
-    A, B (non-zero) and magnitudes, non-reentrant gradient checkpointing; the same on every process."""
+    A, B (non-zero) and magnitudes, non-reentrant gradient checkpointing; the same on every process.
+
+    ``zero_init`` (ZeRO-3 with ``meta_init``): the base built under ``deepspeed.zero.Init`` as transformers builds it
+    once ``HfDeepSpeedConfig`` is alive (each weight partitioned as it is made, initialised gathered), so no process
+    holds it whole; PEFT and the seeding gather each base weight for its norm. A quantized ``meta_init`` base is built
+    a decoder layer at a time (:func:`quantized_layers`)."""
     from peft import LoraConfig, get_peft_model
 
     dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
-    base = mw.build_base(spec["model"], device, dtype)
-    if spec.get("quant"):
-        quantize(base, spec["quant"], device)
+    if zero_init:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        global _HF_DS_CONFIG  # transformers holds it by a weak reference: kept alive for the process
+        _HF_DS_CONFIG = HfDeepSpeedConfig(deepspeed_config(spec))
+        base = mw.build_base(spec["model"], device, dtype)
+    elif spec.get("quant") and spec.get("meta_init"):
+        base = quantized_layers(spec, device, dtype)
+    else:
+        base = mw.build_base(spec["model"], device, dtype)
+        if spec.get("quant"):
+            quantize(base, spec["quant"], device)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear",
                         use_dora=spec["impl"]["dora"])  # fmt: skip
     with torch.device(device):
@@ -220,9 +236,13 @@ def build_sharded(spec: dict, rank: int, device: torch.device, mesh):
 
 def build_wrapped(spec: dict, rank: int, device: torch.device, mesh, engine: bool = True):
     """The model of :func:`build` wrapped by the spec's engine (``ENGINES``; DeepSpeed's ZeRO wraps it later, with its
-    optimizer), or not (``engine=False``: the single-process reference); with ``meta_init``, :func:`build_sharded`."""
-    if spec.get("meta_init"):
+    optimizer), or not (``engine=False``: the single-process reference). With ``meta_init`` no process holds the
+    whole model in the parameter dtype: FSDP2 builds it by :func:`build_sharded`, ZeRO-3 under ``zero.Init``, and a
+    quantized model is built and quantized a decoder layer at a time (:func:`build`)."""
+    if spec.get("meta_init") and spec["engine"] == "fsdp2" and not spec.get("quant"):
         return build_sharded(spec, rank, device, mesh)
+    if spec.get("meta_init") and spec["engine"] == "zero3":
+        return build(spec, rank, device, zero_init=True)  # DeepSpeed wraps it later, with its optimizer
     model = build(spec, rank, device)
     return (ENGINES[spec["engine"]](model, spec, mesh) or model) if engine else model
 
@@ -232,22 +252,55 @@ def quantize(base, kind: str, device, dtype: torch.dtype = torch.bfloat16) -> No
     quantization, or FP4) in ``dtype`` storage and compute, as ``BitsAndBytesConfig(bnb_4bit_quant_storage=...)``
     loads it for FSDP: FSDP2 shards only floating-point storage. The layer is its weight's ``module``, which keeps the
     quantization state for FSDP2's gathered copy (a plain parameter). Also the CPU tests' QDoRA model (fp32)."""
+    for layer in base.model.layers:
+        quantize_layer(layer, kind, device, dtype)
+
+
+def quantize_layer(layer, kind: str, device, dtype: torch.dtype = torch.bfloat16) -> None:
+    """:func:`quantize` of one decoder layer."""
     import bitsandbytes as bnb
 
     nested = kind == "nf4"
-    for layer in base.model.layers:
-        for parent in layer.modules():
-            for name, child in list(parent.named_children()):
-                if type(child) is not torch.nn.Linear:
-                    continue
-                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                      compute_dtype=dtype, quant_type=kind, compress_statistics=nested,
-                                      quant_storage=dtype, device="meta")  # fmt: skip
-                q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu", dtype), requires_grad=False, quant_type=kind,
-                                             compress_statistics=nested, quant_storage=dtype, module=q)  # fmt: skip
-                if child.bias is not None:
-                    q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
-                setattr(parent, name, q.to(device))  # quantized on the move to the device
+    for parent in layer.modules():
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=dtype, quant_type=kind, compress_statistics=nested,
+                                  quant_storage=dtype, device="meta")  # fmt: skip
+            q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu", dtype), requires_grad=False, quant_type=kind,
+                                         compress_statistics=nested, quant_storage=dtype, module=q)  # fmt: skip
+            if child.bias is not None:
+                q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, q.to(device))  # quantized on the move to the device
+
+
+def quantized_layers(spec: dict, device: torch.device, dtype: torch.dtype):
+    """The base of :func:`build` for a quantized ``meta_init`` run: the embedding, final norm, rotary table and LM head
+    as :func:`build` builds them, then each decoder layer made on ``device``, its projection weights drawn
+    N(0, initializer_range) per parameter name (the same in every process and implementation, not the same values as
+    :func:`build`'s) and quantized before the next is made: a 70B model is whole in every process only 4-bit (about
+    40 GB in bf16 storage), never in bf16 (140 GB). FSDP2 then shards it as any other."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    cfg = spec["model"]
+    layers, seed = cfg["config_kwargs"]["num_hidden_layers"], cfg["seed"]
+    init_range = cfg["config_kwargs"]["initializer_range"]
+    base = mw.build_base(dict(cfg, config_kwargs=dict(cfg["config_kwargs"], num_hidden_layers=0)), device, dtype)
+    base.config.num_hidden_layers = layers
+    with torch.no_grad():
+        for i in range(layers):
+            with torch.device(device):
+                layer = LlamaDecoderLayer(base.config, i).to(dtype)
+            for name, param in layer.named_parameters(prefix=f"layer{i}"):
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    gen = mw._gen(device, seed, name, "W")
+                    param.copy_(torch.randn(param.shape, generator=gen, device=device) * init_range)
+            quantize_layer(layer, spec["quant"], device, dtype)
+            base.model.layers.append(layer)
+    return base
 
 
 def batches(spec: dict, world: int, rank: int, device: torch.device) -> list:
@@ -330,7 +383,8 @@ def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, pr
                peak_delta_mb=None if None in peaks else max(peaks), tiers=out["tiers"],
                norm_counts=counts if norm_counts is not None else None,
                local_ms_per_rank=_gather(out["median_ms"]))  # fmt: skip
-    if spec.get("meta_init"):  # the frozen base every implementation trained: the same values in each
+    if spec.get("meta_init") and spec["engine"] == "fsdp2" and not spec.get("quant"):
+        # build_sharded's frozen base, which every implementation trained: the same values in each
         frozen = [_local(p).double().sum() for p in model.parameters() if not p.requires_grad]
         total = torch.stack(frozen).sum()
         dist.all_reduce(total)
