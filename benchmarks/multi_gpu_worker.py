@@ -268,11 +268,13 @@ def quantize_layer(layer, kind: str, device, dtype: torch.dtype = torch.bfloat16
             q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                   compute_dtype=dtype, quant_type=kind, compress_statistics=nested,
                                   quant_storage=dtype, device="meta")  # fmt: skip
-            q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu", dtype), requires_grad=False, quant_type=kind,
+            # where the weight is: Params4bit quantizes on its first move to a device, also onto its own device
+            # (the 70B runs spent minutes sending each layer's weights through the host)
+            q.weight = bnb.nn.Params4bit(child.weight.data.to(dtype), requires_grad=False, quant_type=kind,
                                          compress_statistics=nested, quant_storage=dtype, module=q)  # fmt: skip
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
-            setattr(parent, name, q.to(device))  # quantized on the move to the device
+            setattr(parent, name, q.to(device))
 
 
 def quantized_layers(spec: dict, device: torch.device, dtype: torch.dtype):
