@@ -373,6 +373,20 @@ def _norm_assembly_triton(w_norm_sq, cross_term, ba_norm_sq, scale):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def broadcasts_to(shape, *others) -> bool:
+    """Whether every shape of ``others`` broadcasts to ``shape`` itself, so that in-place ops on a tensor of ``shape``
+    can take them: ``shape == torch.broadcast_shapes(shape, *others)``, which costs some 50 µs of host time per call
+    in eager mode (it runs through torch's reference implementation and its symbolic-shape checks)."""
+    n = len(shape)
+    for other in others:
+        if len(other) > n:
+            return False
+        for size, o in zip(reversed(shape), reversed(other)):
+            if o != size and o != 1:
+                return False
+    return True
+
+
 def _scale_factors(g: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(g, g - 1) in the activation dtype, with g - 1 taken in g's own (usually fp32) precision."""
     return g.to(dtype), (g - 1).to(dtype)
@@ -384,7 +398,7 @@ def compose_torch(
     """(g - 1) * base + g * (s * lora), in the promoted dtype of lora and base; in place into lora if asked."""
     dtype = torch.promote_types(lora.dtype, base.dtype)
     g_c, gm1 = _scale_factors(g, dtype)
-    if inplace and lora.dtype == dtype and lora.shape == torch.broadcast_shapes(lora.shape, base.shape, g.shape):
+    if inplace and lora.dtype == dtype and broadcasts_to(lora.shape, base.shape, g.shape):
         # t2 + t1 == t1 + t2 bitwise, so this equals the out-of-place form below.
         return lora.mul_(scale).mul_(g_c).add_(gm1 * base)
     return gm1 * base + g_c * (scale * lora)

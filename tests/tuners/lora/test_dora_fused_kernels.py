@@ -174,3 +174,17 @@ def test_compiled_autograd_entry_point_has_no_graph_break():
     F.compose_torch(ref_leaves[0], base, ref_leaves[1], 0.5).sum().backward()
     torch.testing.assert_close(lora.grad, ref_leaves[0].grad)
     torch.testing.assert_close(g.grad, ref_leaves[1].grad)
+
+
+def test_broadcasts_to_is_torch_broadcast_shapes_without_its_host_cost():
+    """``compose_torch`` composes in place only where base and g broadcast to the LoRA output's own shape; the cheap
+    check must agree with ``torch.broadcast_shapes`` everywhere, failures to broadcast included."""
+    import itertools
+
+    shapes = [()] + [s for n in (1, 2, 3) for s in itertools.product((1, 2, 3), repeat=n)]
+    for target, a, b in itertools.product(shapes, shapes, ((), (1,), (3,), (2, 1))):
+        try:
+            expected = torch.broadcast_shapes(target, a, b) == torch.Size(target)
+        except RuntimeError:
+            expected = False
+        assert F.broadcasts_to(torch.Size(target), torch.Size(a), torch.Size(b)) == expected, (target, a, b)
