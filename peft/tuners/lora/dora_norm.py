@@ -296,7 +296,17 @@ def w_sq_reusable(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tens
     return settings().norm_cache is not False and not _norm_kernel_applies(weight, lora_A, lora_B)
 
 
-@torch.library.custom_op("peft::dora_weight_norm", mutates_args=())
+# ``peft::dora_weight_norm`` is defined through ``torch.library.Library`` rather than ``torch.library.custom_op``: a
+# compiled DoRA Linear calls it in every forward, and ``custom_op``'s Python autograd and dispatch layers cost host
+# time in every call (on a CPU 21 vs 6 µs for an op that only copies a vector; benchmarks/host_compiled.py).
+# The op takes no gradient (the norm is a constant for autograd, and its operands arrive detached), so it needs no
+# autograd kernel; the fake kernel below gives its output to the tracer.
+_LIB = torch.library.Library("peft", "FRAGMENT")
+_LIB.define(
+    "dora_weight_norm(Tensor weight, Tensor lora_A, Tensor lora_B, float scale, int reuse, bool frozen) -> Tensor"
+)
+
+
 def _weight_norm_op(
     weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float, reuse: int, frozen: bool
 ) -> torch.Tensor:
@@ -342,9 +352,12 @@ def _on_default_stream(t: torch.Tensor) -> bool:
     return not t.is_cuda or torch.cuda.current_stream(t.device) == torch.cuda.default_stream(t.device)
 
 
-@_weight_norm_op.register_fake
 def _weight_norm_op_fake(weight, lora_A, lora_B, scale, reuse, frozen):
     return weight.new_empty(weight.shape[0], dtype=_acc_dtype(weight))
+
+
+_LIB.impl("dora_weight_norm", _weight_norm_op, "CompositeExplicitAutograd")
+torch.library.register_fake("peft::dora_weight_norm", _weight_norm_op_fake, lib=_LIB)
 
 
 def compiled_weight_norm(layer: nn.Module, weight, lora_A, lora_B, scale) -> torch.Tensor:
@@ -353,6 +366,6 @@ def compiled_weight_norm(layer: nn.Module, weight, lora_A, lora_B, scale) -> tor
     sharded, quantized or inference tensors, as in eager forwards)."""
     sources = (weight, lora_A, lora_B)
     reuse = _REUSE_CODES[reuse_mode(layer, sources)] if identity_tracked(sources, inference=False) else 0
-    return torch.ops.peft.dora_weight_norm(
+    return torch.ops.peft.dora_weight_norm.default(
         weight.detach(), lora_A.detach(), lora_B.detach(), float(scale), reuse, not weight.requires_grad
     )

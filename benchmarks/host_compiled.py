@@ -1,0 +1,97 @@
+"""Host time of a compiled DoRA Linear against a compiled LoRA Linear, per module and eval forward.
+
+A model of ``--modules`` chained ``nn.Linear(64, 64)`` with LoRA or DoRA (r = 8) on every one, ``torch.compile``d
+(``default``), called in eval mode without autograd on 16 tokens: the tensors are so small that the time is the
+host's, which is what a compiled DoRA forward adds per module at small shapes (the norm op's call, its memo lookup,
+``g``'s kernels). LoRA and DoRA are timed in alternating rounds in one process; each round is the mean over
+``--calls`` calls, the record keeps every round and the medians, in µs per module.
+
+    python benchmarks/host_compiled.py --out benchmarks/results/profile/host_compiled_eval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class Chain(nn.Module):
+    """Linears called in a loop over a ModuleList, as a transformer calls its layers."""
+
+    def __init__(self, modules: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(modules))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def build(dora: bool, modules: int) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=8, target_modules=[f"layers.{i}" for i in range(modules)], use_dora=dora)
+    return get_peft_model(Chain(modules), config).eval()
+
+
+def per_module_us(fn, x, calls: int, modules: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(x)
+    return (time.perf_counter() - start) / calls / modules * 1e6
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modules", type=int, default=64)
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    import peft
+
+    x = torch.randn(16, 64)
+    compiled = {name: torch.compile(build(dora, args.modules)) for name, dora in (("lora", False), ("dora", True))}
+    rounds = {name: [] for name in compiled}
+    with torch.no_grad():
+        for fn in compiled.values():
+            for _ in range(5):  # compile and warm up
+                fn(x)
+        for k in range(args.rounds):
+            for name in compiled if k % 2 == 0 else reversed(list(compiled)):
+                rounds[name].append(round(per_module_us(compiled[name], x, args.calls, args.modules), 2))
+    medians = {name: statistics.median(values) for name, values in rounds.items()}
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    doc = {
+        "what": "compiled eval forward, host time per adapted Linear (us), no autograd, 16x64 input",
+        "device": "cpu",
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "peft": peft.__version__,
+        "git_rev": rev,
+        # how peft::dora_weight_norm is defined in the installed peft (torch.library.custom_op before 2026-11-26)
+        "norm_op_api": "custom_op" if "peft::dora_weight_norm" in torch._library.custom_ops.OPDEFS else "Library",
+        "modules": args.modules,
+        "calls_per_round": args.calls,
+        "rounds_us_per_module": rounds,
+        "median_us_per_module": medians,
+        "dora_extra_us_per_module": round(medians["dora"] - medians["lora"], 2),
+    }
+    print(json.dumps(doc["median_us_per_module"]), "extra", doc["dora_extra_us_per_module"])
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
