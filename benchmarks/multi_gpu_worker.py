@@ -156,6 +156,9 @@ class ShardedGradProof(mw.GradProof):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+_HF_DS_CONFIG = None  # ZeRO-3 under zero.Init: the HfDeepSpeedConfig that tells transformers and PEFT (build)
+
+
 def build(spec: dict, rank: int, device: torch.device, zero_init: bool = False):
     """The seeded base in the run's parameter dtype, LoRA/DoRA (alpha 2r) on all linear projections with seeded
     A, B (non-zero) and magnitudes, non-reentrant gradient checkpointing; the same on every process.
