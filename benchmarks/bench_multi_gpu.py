@@ -124,6 +124,8 @@ def resolve_config(args) -> dict:
     gpu = args.device.startswith("cuda")
     if args.meta_init and args.engine not in ("fsdp2", "zero3"):
         raise SystemExit("--meta-init: FSDP2 or ZeRO-3 only (FSDP1 and ZeRO-2 hold whole parameters before they shard)")
+    if args.meta_init and args.engine == "zero3" and not gpu:
+        raise SystemExit("--meta-init with ZeRO-3 builds under deepspeed.zero.Init, which needs GPUs (not gloo on CPU)")
     if args.quant and (args.engine != "fsdp2" or args.precision != "bf16"):
         # FSDP2's mixed precision would cast the packed 4-bit storage; FSDP1 and ZeRO have not been wired here
         raise SystemExit("--quant: FSDP2 with --precision bf16 only (the packed weights must not be cast)")

@@ -204,6 +204,8 @@ def test_cpu_smoke_meta_init(tmp_path):
         with pytest.raises(SystemExit, match="meta-init"):
             _cfg("--meta-init", "--engine", engine)
     assert _cfg("--meta-init", "--engine", "zero3")["references"] == []  # built under zero.Init (GPUs only)
+    with pytest.raises(SystemExit, match="zero.Init, which needs GPUs"):
+        _cfg("--meta-init", "--engine", "zero3", "--device", "cpu")
 
 
 @pytest.mark.slow
