@@ -130,6 +130,8 @@ def seed_adapters(model, seed: int, init_range: float, zero_b: bool = False, ada
     hide errors); the magnitude is the fp32 row norm of W times (1 + 0.1·N(0, 1)), so ``g`` differs from 1. Also on
     an FSDP2-sharded model (``multi_gpu_worker.build_sharded``): each process writes its own rows of the same values.
     """
+    from peft.utils.integrations import gather_params_ctx
+
     for name, module in sorted(model.named_modules()):
         if not hasattr(module, "lora_A") or adapter not in module.lora_A:
             continue
@@ -150,18 +152,10 @@ def seed_adapters(model, seed: int, init_range: float, zero_b: bool = False, ada
             m = mags[adapter].weight
             base = module.get_base_layer()
             noise = _laid_out_as(m, torch.randn(m.shape, generator=_gen(dev, seed, name, "m"), device=dev))
-            with _gathered(base.weight):  # a ZeRO-3 partition built under zero.Init is whole only gathered
+            # a ZeRO-3 partition built under zero.Init is whole only gathered (read only: no modifier rank)
+            with gather_params_ctx(base.weight, modifier_rank=None):
                 w = dequantized(base)
                 m.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 0.1 * noise))
-
-
-def _gathered(param: torch.Tensor):
-    """DeepSpeed's read-only gather of a ZeRO-3 partitioned parameter; nothing for any other."""
-    if not hasattr(param, "ds_id"):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters([param])
 
 
 def _laid_out_as(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

@@ -207,10 +207,8 @@ def build_sharded(spec: dict, rank: int, device: torch.device, mesh):
     from peft import LoraConfig, get_peft_model
 
     dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
-    cfg = spec["model"]
-    layers = cfg["config_kwargs"]["num_hidden_layers"]
-    base = mw.build_base(dict(cfg, config_kwargs=dict(cfg["config_kwargs"], num_hidden_layers=0)), device, dtype)
-    base.config.num_hidden_layers = layers
+    base = _layerless_base(spec, device, dtype)
+    layers = base.config.num_hidden_layers
     with torch.device("meta"):
         base.model.layers = torch.nn.ModuleList(LlamaDecoderLayer(base.config, i).to(dtype) for i in range(layers))
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear",
@@ -219,22 +217,40 @@ def build_sharded(spec: dict, rank: int, device: torch.device, mesh):
     model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.base_model.model.enable_input_require_grads()
     shard_fsdp2(model, spec, mesh)
-    proc, seed, init_range = dist.get_rank(), cfg["seed"], cfg["config_kwargs"]["initializer_range"]
+    proc = dist.get_rank()
     with torch.no_grad():  # the base's shards; then the adapters as everywhere (their rows of the same values)
         for layer in model.base_model.model.model.layers:
             layer.to_empty(device=device)
-            named = dict(layer.named_parameters(prefix=f"layer{layer.self_attn.layer_idx}"))
-            for name, param in named.items():
-                local = param.to_local() if isinstance(param, DTensor) else param
-                if "lora_" in name:
-                    continue  # seed_adapters', below
-                if name.endswith("norm.weight"):
-                    local.fill_(1.0)
-                else:
-                    gen = mw._gen(device, seed, name, proc, "W")
-                    local.copy_(torch.randn(local.shape, generator=gen, device=device) * init_range)
-    mw.seed_adapters(model, seed, init_range)
+            for name, param in layer.named_parameters(prefix=f"layer{layer.self_attn.layer_idx}"):
+                if "lora_" not in name:  # the adapters are seed_adapters', below
+                    _draw_base_param(param.to_local() if isinstance(param, DTensor) else param, name, spec, proc)
+    mw.seed_adapters(model, spec["model"]["seed"], spec["model"]["config_kwargs"]["initializer_range"])
     return model
+
+
+def _layerless_base(spec: dict, device: torch.device, dtype: torch.dtype):
+    """:func:`model_worker.build_base`'s embedding, final norm, rotary table and LM head with no decoder layer yet
+    (its config still counts the spec's layers): the meta-init builds add the layers their own way."""
+    cfg = spec["model"]
+    base = mw.build_base(dict(cfg, config_kwargs=dict(cfg["config_kwargs"], num_hidden_layers=0)), device, dtype)
+    base.config.num_hidden_layers = cfg["config_kwargs"]["num_hidden_layers"]
+    return base
+
+
+def _draw_base_param(t: torch.Tensor, name: str, spec: dict, *key) -> None:
+    """A decoder layer's base parameter as the meta-init builds fill it, in place: a norm weight 1, a projection
+    weight N(0, initializer_range) drawn per parameter name (and ``key``: :func:`build_sharded`'s process)."""
+    if name.endswith("norm.weight"):
+        t.fill_(1.0)
+    else:
+        cfg = spec["model"]
+        gen = mw._gen(t.device, cfg["seed"], name, *key, "W")
+        t.copy_(torch.randn(t.shape, generator=gen, device=t.device) * cfg["config_kwargs"]["initializer_range"])
+
+
+def meta_sharded(spec: dict) -> bool:
+    """Whether :func:`build_sharded` builds the spec's model (FSDP2 ``meta_init`` without ``quant``)."""
+    return bool(spec.get("meta_init")) and spec["engine"] == "fsdp2" and not spec.get("quant")
 
 
 def build_wrapped(spec: dict, rank: int, device: torch.device, mesh, engine: bool = True):
@@ -242,7 +258,7 @@ def build_wrapped(spec: dict, rank: int, device: torch.device, mesh, engine: boo
     optimizer), or not (``engine=False``: the single-process reference). With ``meta_init`` no process holds the
     whole model in the parameter dtype: FSDP2 builds it by :func:`build_sharded`, ZeRO-3 under ``zero.Init``, and a
     quantized model is built and quantized a decoder layer at a time (:func:`build`)."""
-    if spec.get("meta_init") and spec["engine"] == "fsdp2" and not spec.get("quant"):
+    if meta_sharded(spec):
         return build_sharded(spec, rank, device, mesh)
     if spec.get("meta_init") and spec["engine"] == "zero3":
         return build(spec, rank, device, zero_init=True)  # DeepSpeed wraps it later, with its optimizer
@@ -288,21 +304,13 @@ def quantized_layers(spec: dict, device: torch.device, dtype: torch.dtype):
     40 GB in bf16 storage), never in bf16 (140 GB). FSDP2 then shards it as any other."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    cfg = spec["model"]
-    layers, seed = cfg["config_kwargs"]["num_hidden_layers"], cfg["seed"]
-    init_range = cfg["config_kwargs"]["initializer_range"]
-    base = mw.build_base(dict(cfg, config_kwargs=dict(cfg["config_kwargs"], num_hidden_layers=0)), device, dtype)
-    base.config.num_hidden_layers = layers
+    base = _layerless_base(spec, device, dtype)
     with torch.no_grad():
-        for i in range(layers):
+        for i in range(base.config.num_hidden_layers):
             with torch.device(device):
                 layer = LlamaDecoderLayer(base.config, i).to(dtype)
             for name, param in layer.named_parameters(prefix=f"layer{i}"):
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                else:
-                    gen = mw._gen(device, seed, name, "W")
-                    param.copy_(torch.randn(param.shape, generator=gen, device=device) * init_range)
+                _draw_base_param(param, name, spec)
             quantize_layer(layer, spec["quant"], device, dtype)
             base.model.layers.append(layer)
     return base
@@ -388,8 +396,7 @@ def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, pr
                peak_delta_mb=None if None in peaks else max(peaks), tiers=out["tiers"],
                norm_counts=counts if norm_counts is not None else None,
                local_ms_per_rank=_gather(out["median_ms"]))  # fmt: skip
-    if spec.get("meta_init") and spec["engine"] == "fsdp2" and not spec.get("quant"):
-        # build_sharded's frozen base, which every implementation trained: the same values in each
+    if meta_sharded(spec):  # build_sharded's frozen base, which every implementation trained: the same values in each
         frozen = [_local(p).double().sum() for p in model.parameters() if not p.requires_grad]
         total = torch.stack(frozen).sum()
         dist.all_reduce(total)
