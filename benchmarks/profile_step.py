@@ -123,7 +123,7 @@ def profile_kind(
         "gpu_busy_ms_profiled": round(gpu_ms, 3),
         "runtime_calls_per_step": runtime_calls(prof, 1),
         "top_host_ops": top(prof, 1, device=False),
-        "top_kernels": top(prof, 1, device=True),
+        "top_kernels": top(prof, 1, device=True, n=60),  # enough to account for a DoRA step's extra GPU time
     }
     if pystats:  # the host's Python time by function, three steps under cProfile
         res["python"] = python_hotspots(step, calls=3, under="peft")
