@@ -187,32 +187,44 @@ def hi_lo(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
     return out
 
 
-def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
-    """Whether the one-pass Triton norm (``dora_norm_triton``) computes this norm instead of the PyTorch form below.
+# The one-pass kernel's largest rank on auto. It reads W once and multiplies on the tensor cores through Triton's
+# dots, which ran at ~160 TFLOP/s on an H100 (compiled training at r = 384, bf16 adapters, eight Llama-8B layers:
+# 8.3 ms, 6 % of the step; the same run with fp32 adapters spent 5.0 ms in cuBLAS GEMMs against a twice-as-wide
+# hi/lo-split A). Its product costs r FLOP per byte of W it reads, so below r ≈ 48 reading W bounds both paths alike
+# and its one or two launches (against the cuBLAS path's six) decide.
+_KERNEL_MAX_RANK = 32
 
-    Auto (PEFT_DORA_NORM_KERNEL unset): for a half weight with adapters of the same half dtype, where it is both
-    faster and more precise on the H200 (bf16 layer of seven Llama projections: 1.2 vs 1.8 ms GPU time per decode
-    step, two launches instead of ten, 1.6e-7 vs 1e-5 relative error). With fp32 adapters (PEFT's autocast default)
-    the kernel's three bf16 hi/lo products took ~4x the time of cuBLAS GEMMs against a split A at r = 384, so those
-    take the norm (``_split_norm_applies``); PEFT_DORA_NORM_KERNEL=1 takes the kernel wherever it runs, 0 never (the
+
+def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
+    """Whether the one-pass Triton norm (``dora_norm_triton``) computes this norm instead of the forms below.
+
+    Auto (PEFT_DORA_NORM_KERNEL unset): for a half weight with adapters of the same half dtype at rank ≤
+    ``_KERNEL_MAX_RANK``, where it is both faster and more precise than the PyTorch form on the H200 (bf16 layer of
+    seven Llama projections: 1.2 vs 1.8 ms GPU time per decode step, two launches instead of ten, 1.6e-7 vs 1e-5
+    relative error); larger ranks take the cuBLAS GEMMs of ``_split_norm_applies``, as fp32 adapters (PEFT's
+    autocast default) do at every rank, where the kernel's three bf16 hi/lo products took ~4x the time of cuBLAS
+    GEMMs against a split A at r = 384. PEFT_DORA_NORM_KERNEL=1 takes the kernel wherever it runs, 0 never (the
     PyTorch form), and PEFT_DORA_FUSED=0 turns it off with the other kernels.
     """
     env = settings()
     if env.fused is False or env.norm_kernel is False:
         return False
     if env.norm_kernel is None and not (
-        weight.dtype in (torch.bfloat16, torch.float16) and lora_A.dtype == lora_B.dtype == weight.dtype
+        weight.dtype in (torch.bfloat16, torch.float16)
+        and lora_A.dtype == lora_B.dtype == weight.dtype
+        and lora_A.shape[0] <= _KERNEL_MAX_RANK
     ):
-        return False  # decided by dtypes alone: the support check below costs host time on every forward
+        return False  # decided by dtypes and rank alone: the support check below costs host time on every forward
     return dora_norm_triton.row_norm_supported(weight, lora_A, lora_B)
 
 
 def _split_norm_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
-    """Whether ``dora_norm_triton.split_row_norm`` computes the norm of fp32 adapters on a half weight (PEFT's
-    autocast default): seven launches (three hi/lo splits, three GEMMs, the row-wise epilogue; one graph launch in
-    training) where the PyTorch form below takes eleven, and the Gram and ``B·G`` on the tensor cores instead of
-    fp32 SIMT GEMMs. Off with PEFT_DORA_FUSED=0 or PEFT_DORA_NORM_KERNEL=0 (the PyTorch form), and with
-    PEFT_DORA_NORM_KERNEL=1 (the one-pass kernel takes every norm it can)."""
+    """Whether ``dora_norm_triton.split_row_norm`` computes the norm on a half weight of fp32 adapters (PEFT's
+    autocast default) or of half adapters the one-pass kernel leaves (rank above ``_KERNEL_MAX_RANK``): seven
+    launches (three hi/lo splits, three GEMMs, the row-wise epilogue; six for half adapters, whose A is not split;
+    one graph launch in training) where the PyTorch form below takes eleven, and the Gram and ``B·G`` on the tensor
+    cores instead of fp32 SIMT GEMMs. Off with PEFT_DORA_FUSED=0 or PEFT_DORA_NORM_KERNEL=0 (the PyTorch form), and
+    with PEFT_DORA_NORM_KERNEL=1 (the one-pass kernel takes every norm it can)."""
     env = settings()
     if env.fused is False or env.norm_kernel is not None:
         return False

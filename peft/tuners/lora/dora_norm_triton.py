@@ -173,18 +173,21 @@ if HAS_TRITON:
 
     @Launcher
     @triton.jit
-    def _gram_split_kernel(g_ptr, out_ptr, rank, BLOCK: tl.constexpr):
-        """The Gram G = A·Aᵀ from the [2·rank, 2·rank] fp32 product of [hi | lo] with itself (G is the sum of its four
-        [rank, rank] blocks), written as [hi(G); hi(G); lo(G)] [3·rank, rank] in out's half dtype."""
+    def _gram_split_kernel(g_ptr, out_ptr, rank, PAIRS: tl.constexpr, BLOCK: tl.constexpr):
+        """The Gram G = A·Aᵀ, written as [hi(G); hi(G); lo(G)] [3·rank, rank] in out's half dtype, from the fp32
+        product [rank, rank] of a half A with itself, or with PAIRS from the [2·rank, 2·rank] product of [hi | lo]
+        with itself (G is the sum of its four [rank, rank] blocks)."""
         pid = tl.program_id(0).to(tl.int64)
         n_blocks = tl.cdiv(rank, BLOCK)
         rows = (pid // n_blocks) * BLOCK + tl.arange(0, BLOCK)
         cols = (pid % n_blocks) * BLOCK + tl.arange(0, BLOCK)
         mask = (rows[:, None] < rank) & (cols[None, :] < rank)
-        at = g_ptr + rows[:, None] * (2 * rank) + cols[None, :]
-        g = tl.load(at, mask=mask, other=0.0) + tl.load(at + rank, mask=mask, other=0.0)
-        g += tl.load(at + 2 * rank * rank, mask=mask, other=0.0)
-        g += tl.load(at + 2 * rank * rank + rank, mask=mask, other=0.0)
+        at = g_ptr + rows[:, None] * ((2 if PAIRS else 1) * rank) + cols[None, :]
+        g = tl.load(at, mask=mask, other=0.0)
+        if PAIRS:
+            g += tl.load(at + rank, mask=mask, other=0.0)
+            g += tl.load(at + 2 * rank * rank, mask=mask, other=0.0)
+            g += tl.load(at + 2 * rank * rank + rank, mask=mask, other=0.0)
         hi = g.to(out_ptr.dtype.element_ty)
         lo = (g - hi.to(tl.float32)).to(out_ptr.dtype.element_ty)
         dst = out_ptr + rows[:, None] * rank + cols[None, :]
@@ -196,12 +199,13 @@ if HAS_TRITON:
     @triton.jit
     def _norm_epilogue_kernel(
         u_ptr, bg_ptr, b_ptr, w_sq_ptr, out_ptr, n_rows, rank, stride_bm, stride_br, two_s, s2,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        """out[i] = sqrt(max(w_sq[i] + sum_c B[i, c]·(2s·(U[i, c] + U[i, rank + c]) + s²·(B·G)[i, c]), 0)).
+        """out[i] = sqrt(max(w_sq[i] + sum_c B[i, c]·(2s·U[i, c] + s²·(B·G)[i, c]), 0)).
 
-        U [n_rows, 2·rank] fp32 holds W·hi(A)ᵀ and W·lo(A)ᵀ side by side, B·G [n_rows, rank] fp32; both contiguous.
-        A program owns BLOCK_M rows and walks the rank."""
+        U = W·Aᵀ [n_rows, rank] fp32, or with PAIRS [n_rows, 2·rank] holding W·hi(A)ᵀ and W·lo(A)ᵀ side by side
+        (U[i, c] + U[i, rank + c]); B·G [n_rows, rank] fp32; both contiguous. A program owns BLOCK_M rows and walks
+        the rank."""
         pid = tl.program_id(0).to(tl.int64)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < n_rows
@@ -209,8 +213,10 @@ if HAS_TRITON:
         for c0 in range(0, rank, BLOCK_N):
             cols = c0 + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols[None, :] < rank)
-            u_at = u_ptr + rows[:, None] * (2 * rank) + cols[None, :]
-            u = tl.load(u_at, mask=mask, other=0.0) + tl.load(u_at + rank, mask=mask, other=0.0)
+            u_at = u_ptr + rows[:, None] * ((2 if PAIRS else 1) * rank) + cols[None, :]
+            u = tl.load(u_at, mask=mask, other=0.0)
+            if PAIRS:
+                u += tl.load(u_at + rank, mask=mask, other=0.0)
             bg = tl.load(bg_ptr + rows[:, None] * rank + cols[None, :], mask=mask, other=0.0)
             b = tl.load(b_ptr + rows[:, None] * stride_bm + cols[None, :] * stride_br, mask=mask, other=0.0)
             acc += b.to(tl.float32) * (two_s * u + s2 * bg)
@@ -380,7 +386,9 @@ def row_norm_checked(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.T
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# fp32 adapters on a half weight (PEFT's autocast default): cuBLAS products with a hi/lo split, one epilogue kernel.
+# The norm through cuBLAS: fp32 adapters on a half weight (PEFT's autocast default) with a hi/lo split of A, or half
+# adapters of the weight's dtype at ranks where the one-pass kernel's products are slower than cuBLAS GEMMs; one
+# epilogue kernel.
 # ---------------------------------------------------------------------------------------------------------------
 
 _SPLIT_BLOCK_R, _SPLIT_BLOCK_K = 32, 64
@@ -390,10 +398,12 @@ _SPLIT_MAX_RANK = 16384
 
 
 def split_norm_supported(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
-    """True when :func:`split_row_norm` can take these tensors: a bf16/fp16 ``W`` with fp32 ``A`` (``B`` fp32, bf16
-    or fp16), all 2-D and chained, non-empty, on one CUDA device (or the interpreter), rank at most
-    ``_SPLIT_MAX_RANK`` (the Gram split kernel forms block offsets of 2·r² in int32)."""
-    if weight.dtype not in _HALF_DTYPES or lora_A.dtype != torch.float32 or lora_B.dtype not in _KERNEL_DTYPES:
+    """True when :func:`split_row_norm` can take these tensors: a bf16/fp16 ``W`` with fp32 ``A`` or ``A`` of
+    ``W``'s dtype (``B`` fp32, bf16 or fp16), all 2-D and chained, non-empty, on one CUDA device (or the
+    interpreter), rank at most ``_SPLIT_MAX_RANK`` (the Gram split kernel forms block offsets of 2·r² in int32)."""
+    if weight.dtype not in _HALF_DTYPES or lora_A.dtype not in (torch.float32, weight.dtype):
+        return False
+    if lora_B.dtype not in _KERNEL_DTYPES:
         return False
     if _unsupported(weight, lora_A, lora_B) is not None or lora_A.shape[0] > _SPLIT_MAX_RANK:
         return False
@@ -425,8 +435,9 @@ def split_row_norm(
 ) -> torch.Tensor:
     """``||W + s·B·A||`` per row, fp32 [d_out], for callers that have seen :func:`split_norm_supported` return True.
 
-    ``W·Aᵀ`` and the Gram ``G = A·Aᵀ`` run as half-precision GEMMs on the tensor cores with ``A`` split into a hi
-    and a lo half part (two launches for a chunk of ``cols`` columns, plus the split). ``B·G`` is a third GEMM, of
+    ``W·Aᵀ`` and the Gram ``G = A·Aᵀ`` run as half-precision GEMMs on the tensor cores with fp32 output (two launches
+    for a chunk of ``cols`` columns), an fp32 ``A`` split into a hi and a lo half part (one more launch) and a half
+    ``A`` as it is (its products are exact in fp32, as in the one-pass kernel). ``B·G`` is a third GEMM, of
     ``[hi(B) | lo(B) | hi(B)]`` and ``[hi(G); hi(G); lo(G)]`` in bf16 (hi·hi + lo·hi + hi·lo, fp32 accumulation; bf16
     rather than an fp16 W's dtype, as G grows with d_in and fp16's range is small), and one row-wise kernel forms
     ``sqrt(max(w_sq + rowsum(B ⊙ (2s·U + s²·B·G)), 0))``. ``w_sq`` is ``||W||²_row`` (fp32 [d_out]). Rounding A to
@@ -440,19 +451,20 @@ def split_row_norm(
     dtype = weight.dtype
     u = gram2 = None
     with device_switch(weight) or contextlib.nullcontext():
+        paired = lora_A.dtype != dtype  # fp32 A: [hi | lo] pairs in U and in the Gram's product
         for c in range(0, d_in, cols):
             w_c, a_c = (weight, lora_A) if cols >= d_in else (weight[:, c : c + cols], lora_A[:, c : c + cols])
-            h = _split_t(a_c, dtype)
+            h = _split_t(a_c, dtype) if paired else a_c.T
             u_c, g_c = _mm_fp32(w_c, h), _mm_fp32(h.T, h)
             u, gram2 = (u_c, g_c) if u is None else (u.add_(u_c), gram2.add_(g_c))
         # bf16 whatever W's dtype: G grows with d_in and could overflow fp16's range
         g3 = torch.empty((3 * r, r), dtype=torch.bfloat16, device=weight.device)
         blocks = _cdiv(r, _GRAM_BLOCK)
-        _gram_split_kernel[(blocks * blocks,)](gram2, g3, r, BLOCK=_GRAM_BLOCK)
+        _gram_split_kernel[(blocks * blocks,)](gram2, g3, r, PAIRS=paired, BLOCK=_GRAM_BLOCK)
         bg = _mm_fp32(_split_t(lora_B.T, torch.bfloat16, hi_again=True), g3)
         out = torch.empty(d_out, dtype=torch.float32, device=weight.device)
         _norm_epilogue_kernel[(_cdiv(d_out, _EPILOGUE_BLOCK_M),)](
             u, bg, lora_B, w_sq, out, d_out, r, lora_B.stride(0), lora_B.stride(1), 2.0 * scale, scale * scale,
-            BLOCK_M=_EPILOGUE_BLOCK_M, BLOCK_N=min(128, max(16, _next_pow2(r))), enable_fp_fusion=False,
+            PAIRS=paired, BLOCK_M=_EPILOGUE_BLOCK_M, BLOCK_N=min(128, max(16, _next_pow2(r))), enable_fp_fusion=False,
         )  # fmt: skip
     return out

@@ -165,22 +165,27 @@ def _split_norm(weight, lora_A, lora_B, scale=SCALE, cols=None):
     return N.split_row_norm(weight, lora_A, lora_B, scale, dora.row_sq_norm(weight), cols or weight.shape[1])
 
 
+@pytest.mark.parametrize("ab", ["fp32", "half"])
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d_out, d_in, r", [(1, 5, 1), (17, 100, 16), (130, 64, 33), (64, 130, 70), (100, 17, 130)])
-def test_split_norm_matches_fp64(d_out, d_in, r, w_dtype):
-    # r = 130 takes two steps of the epilogue's walk over the rank (128 columns each); the others one, masked
-    weight, lora_A, lora_B = _inputs(d_out, d_in, r, w_dtype)
+def test_split_norm_matches_fp64(d_out, d_in, r, w_dtype, ab):
+    # r = 130 takes two steps of the epilogue's walk over the rank (128 columns each); the others one, masked.
+    # "half": A and B in W's dtype, A unsplit (U and the Gram without hi/lo pairs)
+    weight, lora_A, lora_B = _inputs(d_out, d_in, r, w_dtype, w_dtype if ab == "half" else torch.float32)
     _check(_split_norm(weight, lora_A, lora_B), weight, lora_A, lora_B)
 
 
+@pytest.mark.parametrize("ab", ["fp32", "half"])
 @pytest.mark.parametrize("layout", ["transposed", "sliced"])
-def test_split_norm_strides_chunks_and_half_b(layout):
+def test_split_norm_strides_chunks_and_half_b(layout, ab):
     weight, lora_A, lora_B = _inputs(70, 130, 70, torch.bfloat16)
+    a_dtype = torch.bfloat16 if ab == "half" else torch.float32
+    lora_A = lora_A.to(a_dtype)
     if layout == "transposed":
         weight, lora_A, lora_B = (t.t().contiguous().t() for t in (weight, lora_A, lora_B.half()))
     else:
         weight = torch.zeros(70, 260, dtype=torch.bfloat16)[:, ::2].copy_(weight)
-        lora_A = torch.zeros(140, 130)[1::2].copy_(lora_A)
+        lora_A = torch.zeros(140, 130, dtype=a_dtype)[1::2].copy_(lora_A)
         lora_B = torch.zeros(70, 75)[:, 3:73].copy_(lora_B)
     for cols in (None, 48):  # one chunk, and three column chunks of W and A
         _check(_split_norm(weight, lora_A, lora_B, cols=cols), weight, lora_A, lora_B)
@@ -190,6 +195,8 @@ def test_split_norm_support_rules():
     w, a, b = torch.empty(6, 8, dtype=torch.bfloat16), torch.empty(3, 8), torch.empty(6, 3)
     assert N.split_norm_supported(w, a, b) and N.split_norm_supported(w.half(), a, b.bfloat16())
     assert not N.split_norm_supported(w.float(), a, b)  # fp32 W: the PyTorch form
-    assert not N.split_norm_supported(w, a.bfloat16(), b)  # half A: the one-pass kernel or the PyTorch form
+    assert N.split_norm_supported(w, a.bfloat16(), b.bfloat16())  # A in W's dtype: unsplit
+    assert N.split_norm_supported(w.half(), a.half(), b.half())
+    assert not N.split_norm_supported(w, a.half(), b)  # a half A of another dtype: the PyTorch form
     assert not N.split_norm_supported(w[:, :0], a[:, :0], b)  # nothing to multiply
     assert not N.split_norm_supported(w, a[:, :7], b)  # shapes that do not chain

@@ -122,8 +122,9 @@ def test_launch_policy(d_out, d_in, r):
 
 
 def test_norm_kernel_dispatch_follows_dtypes_and_switch(dora_env, monkeypatch):
-    """Auto: the kernel for a half weight with same-dtype half adapters; fp32 adapters (autocast) keep the PyTorch
-    norm unless PEFT_DORA_NORM_KERNEL=1; 0 or PEFT_DORA_FUSED=0 turn it off."""
+    """Auto: the kernel for a half weight with same-dtype half adapters up to rank ``_KERNEL_MAX_RANK`` (above it,
+    and for fp32 adapters (autocast), the cuBLAS split norm) unless PEFT_DORA_NORM_KERNEL=1; 0 or PEFT_DORA_FUSED=0
+    turn it off."""
     from peft.tuners.lora import dora, dora_norm_triton
 
     monkeypatch.setattr(dora_norm_triton, "row_norm_supported", lambda *t: True)
@@ -137,9 +138,13 @@ def test_norm_kernel_dispatch_follows_dtypes_and_switch(dora_env, monkeypatch):
     assert dora.dora_norm._norm_kernel_applies(bf16, a_bf16, b_bf16)
     assert not dora.dora_norm._norm_kernel_applies(bf16, a_f32, b_f32)
     assert not dora.dora_norm._norm_kernel_applies(f32, a_f32, b_f32)
+    big = dora.dora_norm._KERNEL_MAX_RANK + 1
+    a_big, b_big = torch.empty(big, 3).bfloat16(), torch.empty(2, big).bfloat16()
+    assert dora.dora_norm._norm_kernel_applies(bf16, a_big[:-1], b_big[:, :-1])
+    assert not dora.dora_norm._norm_kernel_applies(bf16, a_big, b_big)
     dora_env("PEFT_DORA_NORM_KERNEL", "1")
     applies = dora.dora_norm._norm_kernel_applies
-    assert applies(bf16, a_f32, b_f32) and applies(f32, a_f32, b_f32)
+    assert applies(bf16, a_f32, b_f32) and applies(f32, a_f32, b_f32) and applies(bf16, a_big, b_big)
     dora_env("PEFT_DORA_NORM_KERNEL", "0")
     assert not dora.dora_norm._norm_kernel_applies(bf16, a_bf16, b_bf16)
     dora_env("PEFT_DORA_NORM_KERNEL", None)

@@ -250,6 +250,24 @@ def test_split_nan_and_inf_stay_in_their_rows():
     assert err <= 1e-5
 
 
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d_out, d_in, r", [(14336, 4096, 384), (4096, 14336, 64), (4096, 4096, 33)])
+def test_split_takes_half_adapters_above_the_kernel_rank(d_out, d_in, r, w_dtype, dora_env):
+    """Half adapters of W's dtype above ``_KERNEL_MAX_RANK``: the cuBLAS split norm (A unsplit) by default, within
+    1e-5 of fp64 and of the one-pass kernel (PEFT_DORA_NORM_KERNEL=1), which computes the same exact products."""
+    weight, lora_A, lora_B = _adapter(d_out, d_in, r, w_dtype, w_dtype, ratio=0.1, seed=8)
+    assert not dora.dora_norm._norm_kernel_applies(weight, lora_A, lora_B)
+    assert dora.dora_norm._split_norm_applies(weight, lora_A, lora_B)
+    got = dora.factored_row_norm(weight, lora_A, lora_B, SCALE)
+    want = _reference(weight, lora_A, lora_B, SCALE)
+    dora_env("PEFT_DORA_NORM_KERNEL", "1")
+    assert dora.dora_norm._norm_kernel_applies(weight, lora_A, lora_B)
+    kernel = dora.factored_row_norm(weight, lora_A, lora_B, SCALE)
+    err, err_kernel = _max_rel(got, want), _max_rel(kernel, want)
+    print(f"half adapters {w_dtype} {d_out}x{d_in} r={r}: split {err:.3e}, one-pass kernel {err_kernel:.3e}")
+    assert err <= 1e-5 and _max_rel(got, kernel.double()) <= 1e-5
+
+
 def test_split_is_the_default_for_fp32_adapters_and_matches_the_torch_form(dora_env):
     weight, lora_A, lora_B = _adapter(14336, 4096, 384, torch.bfloat16, torch.float32, ratio=0.1, seed=7)
     assert dora.dora_norm._split_norm_applies(weight, lora_A, lora_B)
