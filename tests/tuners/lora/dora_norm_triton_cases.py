@@ -200,3 +200,19 @@ def test_split_norm_support_rules():
     assert not N.split_norm_supported(w, a.half(), b)  # a half A of another dtype: the PyTorch form
     assert not N.split_norm_supported(w[:, :0], a[:, :0], b)  # nothing to multiply
     assert not N.split_norm_supported(w, a[:, :7], b)  # shapes that do not chain
+
+
+@pytest.mark.parametrize("r", [16, 40])
+def test_half_adapters_take_the_kernel_up_to_its_rank_and_the_split_norm_above(r, monkeypatch):
+    """``factored_row_norm`` of half adapters of W's dtype (auto): the one-pass kernel up to ``_KERNEL_MAX_RANK``, the
+    split norm's GEMMs above it (A unsplit); either way within the fp64 reference's tolerance."""
+    from peft.tuners.lora import dora, dora_norm
+
+    weight, lora_A, lora_B = _inputs(48, 96, r, torch.bfloat16, torch.bfloat16)
+    calls = []
+    for name in ("row_norm_checked", "split_row_norm"):
+        real = getattr(N, name)
+        monkeypatch.setattr(N, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    got = dora.factored_row_norm(weight, lora_A, lora_B, SCALE)
+    assert calls == ["row_norm_checked" if r <= dora_norm._KERNEL_MAX_RANK else "split_row_norm"]
+    _check(got, weight, lora_A, lora_B)
