@@ -1,0 +1,149 @@
+"""Run the GPU test suite (``pytest -m gpu``) split over pairs of GPUs at once, and write one summary.
+
+    PYTHONPATH=<our install> python3 tools/run_gpu_tests.py --out $OUT/gpu_tests_summary.txt [--groups N] [--plan]
+
+A multi-GPU machine counts its whole held time, and one pytest process leaves all but two of its GPUs idle (the
+two-process tests need two). Here each group gets two GPUs (``CUDA_VISIBLE_DEVICES`` "0,1", "2,3", ...) and a share
+of the test files that hold GPU tests, and the groups run at once; ``torchrun --standalone`` in the multi-process
+tests picks free ports, so their process groups never meet. Files are balanced by their durations in the newest
+committed summary that lists them (pytest's ``--durations=0`` lines, which every run of this script keeps), else by
+size. The summary names the command, each group's GPUs, files, last pytest lines and exit status, the per-file
+durations and the totals; the exit status is nonzero if any group failed or collected nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests" / "tuners" / "lora"
+RESULTS = REPO / "benchmarks" / "results"
+IGNORED = ("test_dora_other_quant.py",)  # hqq and torchao are not installed where the GPU tests run
+PYTEST = ["-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider", "--durations=0", "--durations-min=0"]
+_DURATION = re.compile(r"^\s*([\d.]+)s\s+(?:call|setup|teardown)\s+(\S+?\.py)::")
+_TOTALS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected)")
+
+
+def gpu_test_files(root: Path = TESTS, ignored=IGNORED) -> list[Path]:
+    """The test files under ``root`` that mark tests ``gpu`` (by their text), without ``ignored``."""
+    return sorted(
+        p for p in root.glob("test_*.py") if p.name not in ignored and "mark.gpu" in p.read_text(encoding="utf-8")
+    )
+
+
+def durations_by_file(text: str) -> dict[str, float]:
+    """Seconds per test file (its basename) from pytest's ``--durations`` lines in ``text``."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _DURATION.match(line)
+        if m:
+            name = Path(m.group(2)).name
+            out[name] = out.get(name, 0.0) + float(m.group(1))
+    return out
+
+
+def known_durations(results: Path = RESULTS) -> dict[str, float]:
+    """Per-file durations from the newest committed GPU test summary that lists any."""
+    for path in sorted(results.glob("gpu_tests_summary_*.txt"), key=lambda p: p.stat().st_mtime, reverse=True):
+        found = durations_by_file(path.read_text(encoding="utf-8", errors="replace"))
+        if found:
+            return found
+    return {}
+
+
+def split(files: list[Path], groups: int, weights: dict[str, float]) -> list[list[Path]]:
+    """``files`` in ``groups`` lists of about equal weight (longest first, each to the lightest group). A file without
+    a known duration weighs its size in bytes scaled to the known ones (or just its size where none is known)."""
+    known = [weights[f.name] for f in files if f.name in weights]
+    sizes = {f: f.stat().st_size for f in files}
+    per_byte = sum(known) / max(1, sum(sizes[f] for f in files if f.name in weights)) if known else 1.0
+    weight = {f: weights.get(f.name, sizes[f] * per_byte) for f in files}
+    out: list[list[Path]] = [[] for _ in range(max(1, groups))]
+    load = [0.0] * len(out)
+    for f in sorted(files, key=lambda f: (-weight[f], f.name)):
+        i = load.index(min(load))
+        out[i].append(f)
+        load[i] += weight[f]
+    return [g for g in out if g]
+
+
+def totals(text: str) -> dict[str, int]:
+    """pytest's final counts (passed, failed, errors, skipped, deselected) from its output."""
+    last = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
+    found: dict[str, int] = {}
+    for n, what in _TOTALS.findall(last[-1] if last else ""):
+        found["errors" if what.startswith("error") else what] = int(n)
+    return found
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="the summary file (default: print only)")
+    p.add_argument("--groups", type=int, help="groups of two GPUs (default: the GPUs here // 2, at least 1)")
+    p.add_argument("--timeout-s", type=float, default=3000.0, help="per group")
+    p.add_argument("--plan", action="store_true", help="print the groups and stop")
+    args = p.parse_args(argv)
+    files = gpu_test_files()
+    groups = args.groups or max(1, _gpu_count() // 2)
+    weights = known_durations()
+    plan = split(files, groups, weights)
+    for i, group in enumerate(plan):
+        print(f"group {i} (GPUs {2 * i},{2 * i + 1}): {' '.join(f.name for f in group)}")
+    if args.plan:
+        return 0
+    logs, procs, start = [], [], time.monotonic()
+    for i, group in enumerate(plan):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=f"{2 * i},{2 * i + 1}")
+        log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu_tests_group{i}.log", "w+", encoding="utf-8")
+        cmd = [sys.executable, "-m", "pytest", *PYTEST, *(str(f.relative_to(REPO)) for f in group)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+        logs.append(log)
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(1.0, args.timeout_s - (time.monotonic() - start))))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(proc.wait())
+    wall = time.monotonic() - start
+    lines = [f"# python3 tools/run_gpu_tests.py: pytest {' '.join(PYTEST)}, {len(plan)} group(s) of two GPUs at once"]
+    grand: dict[str, int] = {}
+    per_file: dict[str, float] = {}
+    for i, (group, log, code) in enumerate(zip(plan, logs, codes)):
+        log.seek(0)
+        text = log.read()
+        log.close()
+        counts = totals(text)
+        for k, v in counts.items():
+            grand[k] = grand.get(k, 0) + v
+        per_file.update(durations_by_file(text))
+        tail = [line for line in text.splitlines() if line.strip()][-6:]
+        lines.append(f"## group {i}, GPUs {2 * i},{2 * i + 1}, exit {code}: {' '.join(f.name for f in group)}")
+        lines += tail
+    lines.append("## seconds per file (pytest --durations)")
+    lines += [f"{per_file[name]:9.2f}s call {name}::(all)" for name in sorted(per_file, key=per_file.get, reverse=True)]
+    summary = ", ".join(f"{v} {k}" for k, v in sorted(grand.items()))
+    ok = all(code == 0 for code in codes) and grand.get("passed", 0) > 0
+    lines.append(f"total: {summary} in {wall:.0f} s wall; {'ok' if ok else 'FAILED'}")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
