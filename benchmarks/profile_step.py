@@ -1,7 +1,8 @@
 """Where a DoRA training step's time goes, against LoRA's, at grid points (``bench_model.py --grid``'s shapes).
 
-One optimizer step as users run it: forward with non-reentrant gradient checkpointing, backward, AdamW. For each
-point and kind (ours DoRA, plain LoRA; one process, the same base model) it records:
+One optimizer step as users run it: forward with non-reentrant gradient checkpointing, backward, AdamW (or, with
+``--measure infer``, one eval-mode forward without autograd). For each point and kind (ours DoRA, plain LoRA; one
+process, the same base model) it records:
 
 * the step's wall time (CUDA events, the queue empty at its start) and the host's issue time per phase
   (forward, backward, optimizer; ``perf_counter`` without a sync), median of ``--repeats``;
@@ -10,6 +11,10 @@ point and kind (ours DoRA, plain LoRA; one process, the same base model) it reco
 
 A step whose host issue time exceeds its GPU busy time is host-bound: its DoRA/LoRA ratio is the ratio of host
 times, and what DoRA adds per module on the host is (host_dora - host_lora) / modules.
+
+``--small-forward-numel N`` sets ``dora_dispatch.SMALL_FORWARD_NUMEL`` (the largest output an eval forward composes
+with two PyTorch ops and reused factors instead of a Triton launch) for the run: a probe of that crossover, not a
+setting users have.
 
     PYTHONPATH=<ours> python benchmarks/profile_step.py --points "qwen1.5b bf16 r32 seq4096 b1 all drop0" \\
         --out $OUT/profile_step.json
@@ -70,7 +75,15 @@ def top(prof, steps: int, device: bool, n: int = 20) -> list:
 
 
 def profile_kind(
-    base, cfg, point, dora: bool, repeats: int, device: torch.device, compile_mode=None, pystats: bool = False
+    base,
+    cfg,
+    point,
+    dora: bool,
+    repeats: int,
+    device: torch.device,
+    compile_mode=None,
+    pystats: bool = False,
+    measure: str = "train",
 ) -> tuple[dict, object]:
     impl = {"name": "dora" if dora else "lora", "dora": dora}
     modules = list(bm.GRID_TARGETS[point["targets"]])
@@ -83,7 +96,14 @@ def profile_kind(
     phases: dict = {"forward": [], "backward": [], "optimizer": []}
     forward = mw.compiled_call(model, compile_mode)
 
-    def step(record: bool = False):
+    def infer(record: bool = False):
+        t0 = time.perf_counter()
+        with torch.no_grad(), mw.precision_ctx(point["mode"], device):
+            forward(input_ids=ids, use_cache=False)
+        if record:
+            phases["forward"].append((time.perf_counter() - t0) * 1e3)
+
+    def train_step(record: bool = False):
         t0 = time.perf_counter()
         with mw.precision_ctx(point["mode"], device):
             loss = forward(input_ids=ids, labels=labels, use_cache=False).loss
@@ -97,6 +117,10 @@ def profile_kind(
             for name, a, b in (("forward", t0, t1), ("backward", t1, t2), ("optimizer", t2, t3)):
                 phases[name].append((b - a) * 1e3)
 
+    if measure == "infer":
+        model.eval()
+        del phases["backward"], phases["optimizer"]
+    step = infer if measure == "infer" else train_step
     for _ in range(3):
         step()
     timer, wall = mw.Timer(device), []
@@ -142,6 +166,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, help="override the shape's decoder layers (a CPU smoke: 1)")
     p.add_argument("--compile", help="torch.compile mode for both kinds (default, max-autotune-no-cudagraphs, ...)")
     p.add_argument("--pystats", action="store_true", help="also record the host's Python time by function (cProfile)")
+    p.add_argument("--measure", default="train", choices=("train", "infer"), help="a training step or an eval forward")
+    p.add_argument("--small-forward-numel", type=int, help="dora_dispatch.SMALL_FORWARD_NUMEL for this run (a probe)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     import transformers
@@ -150,8 +176,13 @@ def main() -> int:
 
     device = torch.device(args.device)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else None
+    if args.small_forward_numel is not None:
+        from peft.tuners.lora import dora_dispatch
+
+        dora_dispatch.SMALL_FORWARD_NUMEL = args.small_forward_numel
     env = {"peft": Path(peft.__file__).parent.parent.name, "torch": torch.__version__,
-           "transformers": transformers.__version__, "gpu": gpu, "compile": args.compile}  # fmt: skip
+           "transformers": transformers.__version__, "gpu": gpu, "compile": args.compile, "measure": args.measure,
+           "small_forward_numel": args.small_forward_numel}  # fmt: skip
     result = {"env": env, "points": {}}
     bases: dict = {}
     for label in [s.strip() for s in args.points.split(";") if s.strip()]:
@@ -167,7 +198,9 @@ def main() -> int:
         base = bases[point["shape"]]
         out = {}
         for kind in ("lora", "dora", "lora_again"):
-            res, base = profile_kind(base, cfg, point, kind == "dora", args.repeats, device, args.compile, args.pystats)
+            res, base = profile_kind(
+                base, cfg, point, kind == "dora", args.repeats, device, args.compile, args.pystats, args.measure
+            )
             base.disable_input_require_grads()
             out[kind] = res
             mw.release()
