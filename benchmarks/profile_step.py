@@ -93,7 +93,7 @@ def profile_kind(
     ids, labels = mw.make_inputs(cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-6, foreach=True)
-    phases: dict = {"forward": [], "backward": [], "optimizer": []}
+    phases: dict = {"forward": []} if measure == "infer" else {"forward": [], "backward": [], "optimizer": []}
     forward = mw.compiled_call(model, compile_mode)
 
     def infer(record: bool = False):
@@ -119,7 +119,6 @@ def profile_kind(
 
     if measure == "infer":
         model.eval()
-        del phases["backward"], phases["optimizer"]
     step = infer if measure == "infer" else train_step
     for _ in range(3):
         step()
