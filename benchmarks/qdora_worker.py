@@ -87,33 +87,39 @@ def to_fp32_reference(model):
     return model
 
 
-def wrap(base, rank: int, dora: bool):
+def lora_config(rank: int, dora: bool):
     """LoRA (lora_alpha = 2r) on the seven projections; adapters in fp32 (PEFT's default autocast_adapter_dtype)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(PROJECTIONS),
-                        use_dora=dora, task_type="CAUSAL_LM")  # fmt: skip
-    return get_peft_model(base, config)
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(PROJECTIONS),
+                      use_dora=dora, task_type="CAUSAL_LM")  # fmt: skip
+
+
+def wrap(base, rank: int, dora: bool):
+    from peft import get_peft_model
+
+    return get_peft_model(base, lora_config(rank, dora))
 
 
 @torch.no_grad()
-def seed_adapters(model, seed: int, init_range: float) -> None:
-    """A, B and the magnitudes drawn per module name, the same in every implementation and in the fp32 reference.
-    A ~ N(0, 1/d_in); B sized so that s·B·A·x is about a tenth of W·x (PEFT's B = 0 would leave A's gradient zero);
-    magnitude = row norm of the dequantized W times (1 + 0.1·N(0, 1)), so that DoRA's rescaling is not the identity."""
+def seed_adapters(model, seed: int, init_range: float, adapter: str = "default") -> None:
+    """A, B and the magnitudes of ``adapter`` drawn per LoRA layer's name, the same in every implementation, in the
+    fp32 reference and in a twin adapter on the same layers. A ~ N(0, 1/d_in); B sized so that s·B·A·x is about a
+    tenth of W·x (PEFT's B = 0 would leave A's gradient zero); magnitude = row norm of the dequantized W times
+    (1 + 0.1·N(0, 1)), so that DoRA's rescaling is not the identity."""
     for name, module in sorted(model.named_modules()):
-        if not hasattr(module, "lora_A") or "default" not in module.lora_A:
+        if not hasattr(module, "lora_A") or adapter not in module.lora_A:
             continue
-        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
         dev, (r, d_in) = a.device, a.shape
         a.copy_(torch.randn(a.shape, generator=mw._gen(dev, seed, name, "A"), device=dev) / math.sqrt(d_in))
-        std = 0.1 * init_range * math.sqrt(d_in) / (module.scaling["default"] * math.sqrt(r))
+        std = 0.1 * init_range * math.sqrt(d_in) / (module.scaling[adapter] * math.sqrt(r))
         b.copy_(torch.randn(b.shape, generator=mw._gen(dev, seed, name, "B"), device=dev) * std)
         mags = getattr(module, "lora_magnitude_vector", None)
-        if mags is not None and "default" in mags:
+        if mags is not None and adapter in mags:
             w = mw.dequantized(module.get_base_layer()).float()
             noise = torch.randn(w.shape[0], generator=mw._gen(dev, seed, name, "m"), device=dev)
-            mags["default"].weight.copy_(torch.linalg.vector_norm(w, dim=1) * (1 + 0.1 * noise))
+            mags[adapter].weight.copy_(torch.linalg.vector_norm(w, dim=1) * (1 + 0.1 * noise))
 
 
 def token_batch(cfg: dict, seq: int, device) -> torch.Tensor:
@@ -148,33 +154,68 @@ def time_training(model, ids, cfg: dict, ctx, device) -> dict:
     return dict(out, grad_proof=proof.result(), step0_loss=losses[0].item())
 
 
-@torch.no_grad()
-def time_decode(model, ids, cfg: dict, ctx, device) -> dict:
-    """Per token of a one-token decode: ``decode_warmup`` untimed passes, then one timed pass; each pass prefills
-    ``prompt_tokens`` into a fresh KV cache and extends it by ``decode_tokens`` one-token forwards, so the timed
-    tokens run at cache lengths the process has already seen. The first forward at a new length costs ~20-45 ms
-    more (``model_worker.decode_step_paired``): with the timed tokens at new lengths, the first decode measured in
-    each worker process (QDoRA's in one round, QLoRA's in the other, nf4 r = 16, H200, 2026-11-25) ran 4-7x slower
-    than every later one. The last warm-up pass's token times are kept (``warmup_ms``)."""
+def decode_pass(model, ids, cfg: dict, timer) -> list:
+    """One decode pass: ``prompt_tokens`` prefilled into a fresh KV cache, then ``decode_tokens`` one-token forwards,
+    each timed (ms)."""
     from transformers import DynamicCache
 
-    kv = mw.cache_kwarg(model)
+    kv, cache, times = mw.cache_kwarg(model), DynamicCache(config=model.config), []
+    model(input_ids=ids[:, : cfg["prompt_tokens"]], use_cache=True, **{kv: cache})
+    for _ in range(cfg["decode_tokens"]):
+        with timer.region(times):
+            model(input_ids=ids[:, -1:], use_cache=True, **{kv: cache})
+    return times
+
+
+@torch.no_grad()
+def time_decode(model, ids, cfg: dict, ctx, device) -> dict:
+    """Per token of a one-token decode: ``decode_warmup`` untimed passes, then one timed pass (:func:`decode_pass`),
+    so the timed tokens run at cache lengths the process has already seen. The first forward at a new length costs
+    ~20-45 ms more (``model_worker.decode_step_paired``): with the timed tokens at new lengths, the first decode
+    measured in each worker process (QDoRA's in one round, QLoRA's in the other, nf4 r = 16, H200, 2026-11-25) ran
+    4-7x slower than every later one. The last warm-up pass's token times are kept (``warmup_ms``)."""
     timer, before = mw.Timer(device), mw.tier_counts()
-    passes = []
     with ctx():
-        for _ in range(cfg["decode_warmup"] + 1):
-            cache, times = DynamicCache(config=model.config), []
-            model(input_ids=ids[:, : cfg["prompt_tokens"]], use_cache=True, **{kv: cache})
-            for _ in range(cfg["decode_tokens"]):
-                with timer.region(times):
-                    model(input_ids=ids[:, -1:], use_cache=True, **{kv: cache})
-            passes.append(times)
+        passes = [decode_pass(model, ids, cfg, timer) for _ in range(cfg["decode_warmup"] + 1)]
     tiers = {k: v - before.get(k, 0) for k, v in mw.tier_counts().items() if v != before.get(k, 0)}
     return dict(mw.summary(passes[-1]), tiers=tiers, warmup_ms=[round(t, 3) for t in passes[-2]])
 
 
-def measure_config(model, cfg: dict, mode: str, device) -> dict:
-    """Training step, inference forward (eval, no_grad, the full sequence) and one-token decode of a wrapped model."""
+@torch.no_grad()
+def decode_paired(model, ids, cfg: dict, ctx, device, rank: int) -> dict:
+    """Per-token decode of this QDoRA model and of a QLoRA twin, alternated ``decode_pairs`` times in ABBA order
+    (``model_worker.alternate``, after a warm-up pair). The twin is a second adapter on the same quantized layers,
+    with the same seeded A and B and no magnitude: ``set_adapter`` switches between them, so both run on one base,
+    in one process, back to back. Decode is host-bound, and the host's speed drifts within a minute (QLoRA's own
+    per-token time read 9.6 and 69.7 ms in two rounds of one run, nf4 r = 16, H200, 2026-11-25): the separately
+    timed decodes of :func:`time_decode` compare QDoRA and QLoRA minutes apart, a pair compares them seconds apart.
+    Each side's time is the mean per token of one :func:`decode_pass`. The twin is deleted afterwards."""
+    twin = "qlora_twin"
+    model.add_adapter(twin, lora_config(rank, dora=False))
+    seed_adapters(model, cfg["seed"], cfg["model"]["initializer_range"], adapter=twin)
+    timer = mw.Timer(device)
+
+    def per_token(adapter: str):
+        def run() -> float:
+            model.set_adapter(adapter)
+            with ctx():
+                times = decode_pass(model, ids, cfg, timer)
+            return sum(times) / len(times)
+
+        return run
+
+    try:
+        out = mw.alternate("decode_paired", {"dora": per_token("default"), "lora": per_token(twin)},
+                           cfg["decode_pairs"])  # fmt: skip
+    finally:
+        model.set_adapter("default")
+        model.delete_adapter(twin)
+    return out
+
+
+def measure_config(model, cfg: dict, mode: str, device, paired_rank=None) -> dict:
+    """Training step, inference forward (eval, no_grad, the full sequence) and one-token decode of a wrapped model;
+    with ``paired_rank`` (a QDoRA model of that rank) also the decode paired with a QLoRA twin."""
     ctx = lambda: mw.precision_ctx(mode, device)  # noqa: E731
     ids = token_batch(cfg, cfg["seq"], device)
     train = time_training(model, ids, cfg, ctx, device)
@@ -189,6 +230,8 @@ def measure_config(model, cfg: dict, mode: str, device) -> dict:
     out = {"train": train, "step0_loss": train.pop("step0_loss")}
     out["infer"] = mw.measure(infer, device, cfg["warmup"], cfg["repeats"])
     out["decode"] = time_decode(model, ids, cfg, ctx, device)
+    if paired_rank is not None and cfg.get("decode_pairs"):
+        out["decode_paired"] = decode_paired(model, ids, cfg, ctx, device, paired_rank)
     model.train()
     return out
 
@@ -249,12 +292,15 @@ def bench_quant(spec: dict, quant: str, device, result: dict, fail, flush) -> No
                 try:
                     model = wrap(base, rank, kind == "qdora")
                     seed_adapters(model, cfg["seed"], cfg["model"]["initializer_range"])
-                    rec = dict(measure_config(model, cfg, mode, device), **where)
+                    paired_rank = rank if kind == "qdora" else None
+                    rec = dict(measure_config(model, cfg, mode, device, paired_rank), **where)
                     if kind == "qdora" and hasattr(dora, "summary"):  # ours only
                         rec["dora_summary"] = dora.summary(model)
                     rec["wall_s"] = round(time.perf_counter() - t0, 2)
                     result["records"].append(rec)
                     line = ", ".join(f"{m} {rec[m]['median_ms']:.2f}" for m in MEASURES)
+                    if "decode_paired" in rec:
+                        line += f", decode/QLoRA twin {rec['decode_paired']['ratio_median']:.3f}"
                     print(f"[{impl['name']}] {quant} {mode} r={rank} {kind}: {line} ms", flush=True)
                 except Exception:
                     fail("measure", **where)
