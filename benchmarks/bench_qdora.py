@@ -75,7 +75,7 @@ def parse_args(argv=None):
     a("--batch", type=int, default=1)
     a("--warmup", type=int, help="untimed steps before each measure, at least 1 (default 2; tiny 1)")
     a("--repeats", type=int, help="timed steps per measure (default 5; tiny 2)")
-    a("--decode-pairs", type=int, help="QDoRA/QLoRA-twin decode pairs per config, ABBA (default 4; tiny 2; 0: off)")
+    a("--pairs", type=int, help="QDoRA/QLoRA-twin pairs per config and measure, ABBA (default 4; tiny 2; 0: off)")
     a("--rounds", type=int, default=2, help="ours/upstream subprocess pairs, in alternating order")
     a("--upstream-qlora", action="store_true", help="also time QLoRA in upstream's process (a cross-check)")
     a("--fidelity", action=argparse.BooleanOptionalAction, default=True, help="logits/gradients vs fp32 (round 0)")
@@ -125,7 +125,7 @@ def resolve_config(args) -> dict:
         "prompt_tokens": pick(None, 128, 8),
         "decode_warmup": 1,  # untimed decode passes over the timed cache lengths (qdora_worker.time_decode)
         "decode_tokens": pick(None, 32, 3),
-        "decode_pairs": max(0, pick(args.decode_pairs, 4, 2)),  # qdora_worker.decode_paired
+        "pairs": max(0, pick(args.pairs, 4, 2)),  # qdora_worker.paired_measures
         "rounds": max(1, args.rounds),
         "lr": 1e-5,
         "kinds": {"ours": ["qdora", "qlora"], "upstream": ["qdora"] + (["qlora"] if args.upstream_qlora else [])},
@@ -155,13 +155,15 @@ def plan_jobs(cfg: dict) -> list:
 
 
 # A rough cost model: it only has to tell whether a plan fits a 10-minute device call. The FLOP rate is
-# bench_model's; the other constants are guesses, to replace with measured ones.
+# bench_model's; the other constants are guesses, but for those marked measured. Against the 2026-11-26 run (4x H100,
+# one quantization per GPU, pairs of 4): ~80-90 s per job and quantization, estimated 92-96 s.
 STARTUP_S = 20.0  # interpreter, imports, CUDA context
 BUILD_S = 40.0  # the driver's one-off model build and save (kept in --workdir)
 LOAD_S = 15.0  # read the bf16 checkpoint, quantize on the GPU, prepare_model_for_kbit_training
 SETUP_S = 3.0  # get_peft_model, seeding (dequantizes every weight), AdamW, unload, release
-TRITON_COMPILE_S = 25.0  # ours' first process compiles its kernels
-FIDELITY_S = 30.0  # one load and one forward/backward per run
+# measured: the round-0 jobs (ours' kernels compiled, fidelity runs) took 0-9 s more than the round-1 ones
+TRITON_COMPILE_S = 5.0  # ours' first process compiles its kernels
+FIDELITY_S = 5.0  # one load and one forward/backward per run, at 256 tokens
 QUANT_SLOWDOWN = {"nf4": 1.3, "fp4": 1.3, "int8": 2.5}  # vs bf16: 4-bit dequantizes per matmul; int8 splits outliers
 DECODE_S_PER_LAYER = 2.5e-3  # host-bound one-token step, seven bnb modules with adapters per layer (~10 ms per token
 # at 4 layers, H200 machine, qdora.json of 2026-11-25)
@@ -169,15 +171,17 @@ DECODE_S_PER_LAYER = 2.5e-3  # host-bound one-token step, seven bnb modules with
 
 def config_s(cfg: dict, impl: str, kind: str, quant: str, rank: int) -> float:
     """Seconds of one wrapped configuration: setup, training steps (forward, checkpoint recompute, backward: about
-    four forwards), inference forwards, prefill and decode tokens."""
+    four forwards), inference forwards, prefill and decode tokens, and a QDoRA configuration's pairs."""
     upstream_dora = impl == "upstream" and kind == "qdora"
     flops, dense = bench_model.forward_flops(cfg["model"], cfg["batch"], cfg["seq"], rank, PROJECTIONS, upstream_dora)
     fwd = (flops * QUANT_SLOWDOWN[quant] + dense) / bench_model.EFFECTIVE_FLOPS
     tokens = (cfg["decode_warmup"] + 1) * cfg["decode_tokens"]
-    if kind == "qdora" and cfg.get("decode_pairs"):  # a warm-up pair, then the pairs; the twin decodes as QLoRA
-        tokens += 2 * (cfg["decode_pairs"] + 1) * cfg["decode_tokens"]
+    steps, infers = cfg["warmup"] + cfg["repeats"], cfg["warmup"] + cfg["repeats"]
+    if kind == "qdora" and cfg.get("pairs"):  # a warm-up pair, then the pairs of each measure, the twin's half too
+        sides = 2 * (cfg["pairs"] + 1)
+        tokens, steps, infers = tokens + sides * cfg["decode_tokens"], steps + sides, infers + sides
     decode = tokens * cfg["model"]["num_hidden_layers"] * DECODE_S_PER_LAYER * (1 + upstream_dora)
-    return SETUP_S + (cfg["warmup"] + cfg["repeats"]) * 5 * fwd + fwd * cfg["prompt_tokens"] / cfg["seq"] + decode
+    return SETUP_S + steps * 4 * fwd + infers * fwd + fwd * cfg["prompt_tokens"] / cfg["seq"] + decode
 
 
 def estimate_s(cfg: dict, job: dict) -> float:
@@ -215,7 +219,7 @@ def call_command(cfg: dict, call: dict, k: int, wheels: str) -> str:
     """The device command of call ``k`` (1-based) of :func:`plan_calls`."""
     flags = f"--quants {','.join(call['quants'])} --ranks {','.join(map(str, cfg['ranks']))} --rounds {cfg['rounds']}"
     flags += f" --modes {','.join(cfg['modes'])} --seq {cfg['seq']} --layers {cfg['model']['num_hidden_layers']}"
-    flags += f" --decode-pairs {cfg['decode_pairs']}"
+    flags += f" --pairs {cfg['pairs']}"
     flags += "" if call["fidelity"] else " --no-fidelity"
     out = f"$OUT/qdora_{k}"
     return f"PYTHONUNBUFFERED=1 python3 benchmarks/bench_qdora.py {flags}{wheels} --out {out}.json 2>&1 | tee {out}.log"
@@ -258,12 +262,17 @@ def _rounds(doc: dict, impl: str, kind: str, point: tuple) -> dict:
     return {r["round"]: r for r in doc["records"] if (r["impl"], r["kind"], r["quant"], r["mode"], r["rank"]) == key}
 
 
-def paired_decode_ratio(doc: dict, impl: str, point: tuple):
-    """QDoRA/QLoRA decode of ``impl`` at ``point`` from its decode pairs (``qdora_worker.decode_paired``): the median
-    over every pair of every round; None where a round has none (a run before pairs, or ``--decode-pairs 0``)."""
-    recs = _rounds(doc, impl, "qdora", point).values()
-    pairs = [r.get("decode_paired") for r in recs]
-    if not pairs or any(p is None or not p.get("pair_ratios") for p in pairs):
+def _pairs(doc: dict, impl: str, measure: str, point: tuple):
+    """Every round's ``<measure>_paired`` record of ``impl``'s QDoRA at ``point``; None where a round has none (a run
+    before pairs, or ``--pairs 0``)."""
+    pairs = [r.get(f"{measure}_paired") for r in _rounds(doc, impl, "qdora", point).values()]
+    return None if not pairs or any(p is None or not p.get("pair_ratios") for p in pairs) else pairs
+
+
+def paired_ratio(pairs: list):
+    """QDoRA/QLoRA from pairs with a QLoRA twin (``qdora_worker.paired_measures``): the median over every pair of
+    every round; None where a training pair failed its gradient proof."""
+    if any(not proof["ok"] for p in pairs for proof in (p.get("grad_proof") or {}).values()):
         return None
     return statistics.median(x for p in pairs for x in p["pair_ratios"])
 
@@ -271,13 +280,13 @@ def paired_decode_ratio(doc: dict, impl: str, point: tuple):
 def ratio(doc: dict, num: tuple, den: tuple, measure: str, point: tuple):
     """Time of ``num`` over ``den`` ((impl, kind) each) at ``point``: the median of per-round ratios over the rounds
     both ran in (a pair measured close together in time), else the ratio of the medians; None where either is
-    missing or any of its rounds failed its gradient proof. An impl's QDoRA/QLoRA decode comes from its own decode
-    pairs where they ran (:func:`paired_decode_ratio`, the twin being that impl's LoRA): separately timed decodes are
-    minutes apart on a host whose speed drifts by several times."""
-    if measure == "decode" and (num[1], den[1]) == ("qdora", "qlora"):
-        paired = paired_decode_ratio(doc, num[0], point)
-        if paired is not None:
-            return paired
+    missing or any of its rounds failed its gradient proof. An impl's QDoRA/QLoRA comes from its own pairs with a
+    QLoRA twin where they ran (:func:`paired_ratio`, the twin being that impl's LoRA): separately timed measures are
+    a minute apart on a host whose speed drifts by several times, and steps at short sequences and decode are
+    host-bound."""
+    pairs = _pairs(doc, num[0], measure, point) if (num[1], den[1]) == ("qdora", "qlora") else None
+    if pairs is not None:
+        return paired_ratio(pairs)
     a = {k: _value(r, measure) for k, r in _rounds(doc, *num, point).items()}
     b = {k: _value(r, measure) for k, r in _rounds(doc, *den, point).items()}
     if not a or not b or None in a.values() or None in b.values():

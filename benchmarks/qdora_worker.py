@@ -181,41 +181,87 @@ def time_decode(model, ids, cfg: dict, ctx, device) -> dict:
     return dict(mw.summary(passes[-1]), tiers=tiers, warmup_ms=[round(t, 3) for t in passes[-2]])
 
 
-@torch.no_grad()
-def decode_paired(model, ids, cfg: dict, ctx, device, rank: int) -> dict:
-    """Per-token decode of this QDoRA model and of a QLoRA twin, alternated ``decode_pairs`` times in ABBA order
-    (``model_worker.alternate``, after a warm-up pair). The twin is a second adapter on the same quantized layers,
-    with the same seeded A and B and no magnitude: ``set_adapter`` switches between them, so both run on one base,
-    in one process, back to back. Decode is host-bound, and the host's speed drifts within a minute (QLoRA's own
-    per-token time read 9.6 and 69.7 ms in two rounds of one run, nf4 r = 16, H200, 2026-11-25): the separately
-    timed decodes of :func:`time_decode` compare QDoRA and QLoRA minutes apart, a pair compares them seconds apart.
-    Each side's time is the mean per token of one :func:`decode_pass`. The twin is deleted afterwards."""
+PAIRED = ("train", "infer", "decode")  # measures also timed in QDoRA/QLoRA-twin pairs (record key "<measure>_paired")
+
+
+def paired_measures(model, ids, cfg: dict, ctx, device, rank: int) -> dict:
+    """The training step, inference forward and per-token decode of this QDoRA model and of a QLoRA twin, each
+    alternated ``cfg["pairs"]`` times in ABBA order (``model_worker.alternate``, after a warm-up pair). The twin is a
+    second adapter on the same quantized layers with the same seeded A and B (no magnitude); ``set_adapter`` switches
+    between them (and which of them trains), so both run on one base, in one process, seconds apart. At 1024 tokens
+    a step is host-bound, and decode always is, and the host's speed drifts within a minute (QLoRA's own per-token
+    time read 9.6 and 69.7 ms in two rounds of one run, nf4 r = 16, H200, 2026-11-25): the separately timed measures
+    of :func:`measure_config` compare QDoRA and QLoRA a minute apart, a pair compares them back to back. A training
+    side is one forward, backward and AdamW step of its adapter (its own optimizer; gradients dropped untimed
+    before) and must leave every trainable gradient finite and non-zero; a decode side is the mean per token of one
+    :func:`decode_pass`. The twin is deleted afterwards."""
     twin = "qlora_twin"
     model.add_adapter(twin, lora_config(rank, dora=False))
     seed_adapters(model, cfg["seed"], cfg["model"]["initializer_range"], adapter=twin)
-    timer = mw.Timer(device)
+    timer, pairs, sides = mw.Timer(device), cfg["pairs"], {"dora": "default", "lora": twin}
+    optimizers, proofs = {}, {}
+    for side, adapter in sides.items():
+        model.set_adapter(adapter)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizers[side], proofs[side] = torch.optim.AdamW(trainable, lr=cfg["lr"]), mw.GradProof(model)
 
-    def per_token(adapter: str):
+    def train(side: str):
         def run() -> float:
-            model.set_adapter(adapter)
+            model.set_adapter(sides[side])
+            model.train()
+            optimizers[side].zero_grad(set_to_none=True)
+            times = []
+            with timer.region(times):
+                with ctx():
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+                optimizers[side].step()
+            proofs[side]()
+            return times[0]
+
+        return run
+
+    def infer(side: str):
+        @torch.no_grad()
+        def run() -> float:
+            model.set_adapter(sides[side])
+            model.eval()
+            times = []
+            with timer.region(times), ctx():
+                model(input_ids=ids, use_cache=False)
+            return times[0]
+
+        return run
+
+    def decode(side: str):
+        @torch.no_grad()
+        def run() -> float:
+            model.set_adapter(sides[side])
+            model.eval()
             with ctx():
                 times = decode_pass(model, ids, cfg, timer)
             return sum(times) / len(times)
 
         return run
 
+    out = {}
     try:
-        out = mw.alternate("decode_paired", {"dora": per_token("default"), "lora": per_token(twin)},
-                           cfg["decode_pairs"])  # fmt: skip
+        for measure, make in (("train", train), ("infer", infer), ("decode", decode)):
+            out[f"{measure}_paired"] = mw.alternate(f"{measure}_paired", {s: make(s) for s in sides}, pairs)
+        out["train_paired"]["grad_proof"] = {side: proof.result() for side, proof in proofs.items()}
     finally:
+        for opt in optimizers.values():
+            opt.zero_grad(set_to_none=True)
+            opt.state.clear()
         model.set_adapter("default")
         model.delete_adapter(twin)
+        mw.release()
     return out
 
 
 def measure_config(model, cfg: dict, mode: str, device, paired_rank=None) -> dict:
     """Training step, inference forward (eval, no_grad, the full sequence) and one-token decode of a wrapped model;
-    with ``paired_rank`` (a QDoRA model of that rank) also the decode paired with a QLoRA twin."""
+    with ``paired_rank`` (a QDoRA model of that rank) also the three in pairs with a QLoRA twin (paired_measures)."""
     ctx = lambda: mw.precision_ctx(mode, device)  # noqa: E731
     ids = token_batch(cfg, cfg["seq"], device)
     train = time_training(model, ids, cfg, ctx, device)
@@ -230,8 +276,8 @@ def measure_config(model, cfg: dict, mode: str, device, paired_rank=None) -> dic
     out = {"train": train, "step0_loss": train.pop("step0_loss")}
     out["infer"] = mw.measure(infer, device, cfg["warmup"], cfg["repeats"])
     out["decode"] = time_decode(model, ids, cfg, ctx, device)
-    if paired_rank is not None and cfg.get("decode_pairs"):
-        out["decode_paired"] = decode_paired(model, ids, cfg, ctx, device, paired_rank)
+    if paired_rank is not None and cfg.get("pairs"):
+        out.update(paired_measures(model, ids, cfg, ctx, device, paired_rank))
     model.train()
     return out
 
@@ -300,7 +346,9 @@ def bench_quant(spec: dict, quant: str, device, result: dict, fail, flush) -> No
                     result["records"].append(rec)
                     line = ", ".join(f"{m} {rec[m]['median_ms']:.2f}" for m in MEASURES)
                     if "decode_paired" in rec:
-                        line += f", decode/QLoRA twin {rec['decode_paired']['ratio_median']:.3f}"
+                        line += "; paired /QLoRA twin " + ", ".join(
+                            f"{m} {rec[m + '_paired']['ratio_median']:.3f}" for m in PAIRED
+                        )
                     print(f"[{impl['name']}] {quant} {mode} r={rank} {kind}: {line} ms", flush=True)
                 except Exception:
                     fail("measure", **where)

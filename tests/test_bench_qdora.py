@@ -121,20 +121,26 @@ def test_ratios_are_medians_of_per_round_ratios():
     assert bench_qdora.summarize(doc)[0]["qdora_over_qlora"]["ours"]["train"] == pytest.approx(1.3)
 
 
-def test_decode_ratio_comes_from_each_impls_decode_pairs_where_they_ran():
-    """QDoRA/QLoRA decode: the median over every pair of every round of the impl's own twin (upstream's too, over its
-    LoRA twin, not ours' QLoRA minutes apart); the separately timed decodes only where a round has no pairs."""
+def test_qdora_over_qlora_comes_from_each_impls_pairs_where_they_ran():
+    """QDoRA/QLoRA of each measure: the median over every pair of every round with the impl's own twin (upstream's
+    too, over its LoRA twin, not ours' QLoRA a minute apart); the separately timed measures only where a round has no
+    pairs, and none where a training pair failed its gradient proof."""
     doc = _doc(_point("nf4", 16, ours=[11.0, 24.0], lora=[10.0, 20.0], up=[33.0, 40.0]))
     pairs = {("ours", 0): [1.02, 1.04], ("ours", 1): [0.98, 1.30, 1.01], ("upstream", 0): [2.0], ("upstream", 1): [3.0]}
     for r in doc["records"]:
         if r["kind"] == "qdora":
-            r["decode_paired"] = {"pair_ratios": pairs[(r["impl"], r["round"])], "ratio_median": 0.0}  # not read
+            ratios = pairs[(r["impl"], r["round"])]
+            r["decode_paired"] = {"pair_ratios": ratios, "ratio_median": 0.0}  # not read
+            r["train_paired"] = {"pair_ratios": [x + 0.1 for x in ratios], "grad_proof": {"dora": {"ok": True}}}
     (row,) = bench_qdora.summarize(doc)
     assert row["qdora_over_qlora"]["ours"]["decode"] == pytest.approx(1.02)  # median of the five
     assert row["qdora_over_qlora"]["upstream"]["decode"] == pytest.approx(2.5)
-    assert row["qdora_over_qlora"]["ours"]["train"] == pytest.approx(1.15)  # other measures as before
+    assert row["qdora_over_qlora"]["ours"]["train"] == pytest.approx(1.12)
+    assert row["qdora_over_qlora"]["ours"]["infer"] == pytest.approx(1.15)  # no infer pairs: per round as before
     assert row["speedup_vs_upstream"]["decode"] == pytest.approx((3.0 + 40 / 24) / 2)  # across impls: per round
     assert bench_qdora.headline_values(doc)["qdora_over_qlora_decode"] == 1.02
+    doc["records"][0]["train_paired"]["grad_proof"]["dora"]["ok"] = False
+    assert bench_qdora.summarize(doc)[0]["qdora_over_qlora"]["ours"]["train"] is None
     del doc["records"][0]["decode_paired"]  # a round without pairs: back to the separately timed decodes
     assert bench_qdora.summarize(doc)[0]["qdora_over_qlora"]["ours"]["decode"] == pytest.approx(1.15)
 
@@ -291,9 +297,13 @@ def test_cpu_smoke_runs_the_whole_pipeline(tmp_path):
             3 if r["kind"] == "qdora" else 2
         )
         assert all(math.isfinite(r[m]["median_ms"]) for m in qdora_worker.MEASURES)
-        if r["kind"] == "qdora":  # the decode paired with a QLoRA twin on the same base, which is gone afterwards
-            paired = r["decode_paired"]
-            assert len(paired["pair_ratios"]) == 2 and all(math.isfinite(x) and x > 0 for x in paired["pair_ratios"])
+        if r["kind"] == "qdora":  # pairs with a QLoRA twin on the same base, which is gone afterwards
+            for m in qdora_worker.PAIRED:
+                ratios = r[f"{m}_paired"]["pair_ratios"]
+                assert len(ratios) == 2 and all(math.isfinite(x) and x > 0 for x in ratios)
+            proofs = r["train_paired"]["grad_proof"]
+            assert proofs["dora"]["ok"] and proofs["lora"]["ok"]
+            assert (proofs["dora"]["tensors"], proofs["lora"]["tensors"]) == (14 * 3, 14 * 2)
     ours_dora = [r for r in doc["records"] if r["impl"] == "ours" and r["kind"] == "qdora"]
     assert all("eager" in r["train"]["tiers"] and "DoRA compositions" in r["dora_summary"] for r in ours_dora)
     step0 = {(r["impl"], r["quant"]): r["step0_loss"] for r in doc["records"] if r["kind"] == "qdora"}

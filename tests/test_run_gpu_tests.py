@@ -44,6 +44,36 @@ def test_reads_durations_and_totals_back():
     assert R.totals("no tests ran") == {}
 
 
+def test_keeps_the_gist_of_each_failure():
+    out = """
+.F.
+=================================== FAILURES ===================================
+______________ test_direct_launches[bf16] ______________
+
+    def test_direct_launches(adapters):
+>       assert set(used) == expected, used
+E       AssertionError: ['output', 'split']
+E       assert {'split'} == {'one_pass_norm'}
+
+tests/tuners/lora/test_dora_launch_gpu.py:53: AssertionError
+============================ slowest durations =============================
+E  not a failure line
+=========================== short test summary info ============================
+FAILED tests/tuners/lora/test_dora_launch_gpu.py::test_direct_launches[bf16]
+1 failed, 2 passed in 3.0s
+"""
+    assert R.failure_lines(out) == [
+        "______________ test_direct_launches[bf16] ______________",
+        "E       AssertionError: ['output', 'split']",
+        "E       assert {'split'} == {'one_pass_norm'}",
+        "tests/tuners/lora/test_dora_launch_gpu.py:53: AssertionError",
+    ]
+    assert R.failure_lines("3 passed in 1.0s") == []
+    many = "=== FAILURES ===\n" + "\n".join(f"E line {i}" for i in range(100))
+    cut = R.failure_lines(many, limit=5)
+    assert cut[:4] == [f"E line {i}" for i in range(4)] and cut[4] == "... 96 more failure lines"
+
+
 def test_plan_runs_without_gpus(capsys):
     assert R.main(["--plan", "--groups", "2"]) == 0
     printed = capsys.readouterr().out

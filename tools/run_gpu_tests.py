@@ -7,8 +7,8 @@ two-process tests need two). Here each group gets two GPUs (``CUDA_VISIBLE_DEVIC
 of the test files that hold GPU tests, and the groups run at once; ``torchrun --standalone`` in the multi-process
 tests picks free ports, so their process groups never meet. Files are balanced by their durations in the newest
 committed summary that lists them (pytest's ``--durations=0`` lines, which every run of this script keeps), else by
-size. The summary names the command, each group's GPUs, files, last pytest lines and exit status, the per-file
-durations and the totals; the exit status is nonzero if any group failed or collected nothing.
+size. The summary names the command, each group's GPUs, files, last pytest lines, the gist of each failure and the
+exit status, the per-file durations and the totals; the exit status is nonzero if any group failed or collected nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ IGNORED = ("test_dora_other_quant.py",)  # hqq and torchao are not installed whe
 PYTEST = ["-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider", "--durations=0", "--durations-min=0"]
 _DURATION = re.compile(r"^\s*([\d.]+)s\s+(?:call|setup|teardown)\s+(\S+?\.py)::")
 _TOTALS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected)")
+_ERROR_AT = re.compile(r"^\S+\.py:\d+: \w+")
 
 
 def gpu_test_files(root: Path = TESTS, ignored=IGNORED) -> list[Path]:
@@ -83,6 +84,20 @@ def totals(text: str) -> dict[str, int]:
     return found
 
 
+def failure_lines(text: str, limit: int = 40) -> list[str]:
+    """The gist of each failure in pytest's output: its header (``____ test ____``), its ``E`` lines and the
+    ``file:line: Error`` line that ends it, at most ``limit`` lines in all (a summary must say why, not only what)."""
+    out, inside = [], False
+    for line in text.splitlines():
+        if re.match(r"^=+ (FAILURES|ERRORS) =+$", line):
+            inside = True
+        elif re.match(r"^=+ .*(short test summary|warnings summary|slowest).*=+$", line):
+            inside = False
+        elif inside and (re.match(r"^_{3,} .* _{3,}$", line) or line.startswith("E ") or _ERROR_AT.match(line)):
+            out.append(line)
+    return out if len(out) <= limit else out[: limit - 1] + [f"... {len(out) - limit + 1} more failure lines"]
+
+
 def _gpu_count() -> int:
     import torch
 
@@ -133,6 +148,7 @@ def main(argv=None) -> int:
         tail = [line for line in text.splitlines() if line.strip()][-6:]
         lines.append(f"## group {i}, GPUs {2 * i},{2 * i + 1}, exit {code}: {' '.join(f.name for f in group)}")
         lines += tail
+        lines += failure_lines(text)
     lines.append("## seconds per file (pytest --durations)")
     lines += [f"{per_file[name]:9.2f}s call {name}::(all)" for name in sorted(per_file, key=per_file.get, reverse=True)]
     summary = ", ".join(f"{v} {k}" for k, v in sorted(grand.items()))

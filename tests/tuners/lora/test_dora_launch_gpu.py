@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from peft import LoraConfig, get_peft_model
-from peft.tuners.lora import dora_fused, dora_launch
+from peft.tuners.lora import dora_fused, dora_launch, dora_norm
 from peft.tuners.lora import dora_norm_triton as N
 
 
@@ -21,10 +21,10 @@ KERNELS = {
 }
 
 
-def _model(adapter_dtype, seed=0):
+def _model(adapter_dtype, seed=0, r=64):
     torch.manual_seed(seed)
     base = torch.nn.Sequential(torch.nn.Linear(1024, 3072, bias=True)).to("cuda", torch.bfloat16)
-    config = LoraConfig(r=64, lora_alpha=32, target_modules=["0"], use_dora=True, init_lora_weights=False)
+    config = LoraConfig(r=r, lora_alpha=32, target_modules=["0"], use_dora=True, init_lora_weights=False)
     model = get_peft_model(base, config)
     return model.to(adapter_dtype) if adapter_dtype == torch.bfloat16 else model
 
@@ -38,18 +38,21 @@ def _step(model, x, gy, autocast):
     return y.detach().clone(), grads
 
 
-@pytest.mark.parametrize("adapters", ["fp32_autocast", "bf16"])
-def test_direct_launches_match_triton_s_launches(adapters):
+@pytest.mark.parametrize("adapters,r", [("fp32_autocast", 64), ("bf16", 16), ("bf16", 64)])
+def test_direct_launches_match_triton_s_launches(adapters, r):
+    """fp32 adapters and half ones above ``_KERNEL_MAX_RANK`` take the split norm (its split and epilogue kernels
+    around cuBLAS), half ones up to it the one-pass norm kernel."""
     assert dora_launch._direct[0], "the direct path is off on this GPU (Triton's launcher API differs?)"
     autocast = adapters == "fp32_autocast"
-    model = _model(torch.float32 if autocast else torch.bfloat16)
+    model = _model(torch.float32 if autocast else torch.bfloat16, r=r)
     x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
     gy = torch.randn(4096, 3072, device="cuda", dtype=torch.bfloat16)
     for k in KERNELS.values():
         k()._cache.clear()
     first = _step(model, x, gy, autocast)  # every signature new: Triton's path
     used = [name for name, k in KERNELS.items() if k()._cache]
-    expected = {"output", "backward", "column_sum"} | ({"split", "epilogue"} if autocast else {"one_pass_norm"})
+    split = autocast or r > dora_norm._KERNEL_MAX_RANK
+    expected = {"output", "backward", "column_sum"} | ({"split", "epilogue"} if split else {"one_pass_norm"})
     assert set(used) == expected, used
     second = _step(model, x, gy, autocast)  # the same signatures: direct
     assert torch.equal(first[0], second[0])
