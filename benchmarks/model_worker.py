@@ -672,6 +672,33 @@ def train_step_paired(model, cfg, point: dict, device, pairs: int) -> dict:
     return out
 
 
+def infer_step_paired(model, cfg, point: dict, device, pairs: int) -> dict:
+    """The inference forward (eval, no autograd, the point's batch and sequence) of the DoRA adapter against a
+    plain-LoRA twin adapter on the same base model (:func:`add_lora_twin`), in ABBA pairs (:func:`alternate`, two
+    warm-up calls per side). At the grid's small points the forward is host-bound: the ``infer`` records of the DoRA
+    and LoRA subprocesses land in different phases of a host whose speed drifts by up to 2x within a minute (one
+    profiled LoRA forward took 9.6 and 13.1 ms seconds apart, qwen1.5b r8 seq 512, H100 machine), two forwards back
+    to back share one."""
+    add_lora_twin(model, cfg, point)
+    model.eval()
+    ids, _ = make_inputs(cfg, device)
+    timer = Timer(device)
+
+    @torch.no_grad()
+    def forward_ms(adapter: str) -> float:
+        model.set_adapter(adapter)
+        times: list = []
+        with timer.region(times), precision_ctx(point["mode"], device):
+            model(input_ids=ids, use_cache=False)
+        return times[0]
+
+    out = alternate("infer_step_paired", {"dora": lambda: forward_ms("default"), "lora": lambda: forward_ms(TWIN)},
+                    pairs, warmup=2)  # fmt: skip
+    model.set_adapter("default")
+    model.train()
+    return out
+
+
 def cache_kwarg(model) -> str:
     """The causal LM forward's name for its KV cache: ``cache`` from transformers 5.24 on, ``past_key_values`` before
     (that name is removed in 5.40)."""
@@ -706,6 +733,8 @@ def grid_shape(spec, impl, device, cfg: dict, points: list, records: list, error
             res = speed_rank(model, pcfg, point["mode"], device, measures, spec["warmup"], spec["repeats"])
             if "train_step_paired" in measures:
                 res["train_step_paired"] = train_step_paired(model, pcfg, point, device, grid["train_pairs"])
+            if "infer_step_paired" in measures:
+                res["infer_step_paired"] = infer_step_paired(model, pcfg, point, device, grid["train_pairs"])
             if "decode_step_paired" in measures:
                 res["decode_step_paired"] = decode_step_paired(model, pcfg, point, device, **grid["decode"])
             where = {k: point[k] for k in ("mode", "rank", "shape", "seq", "batch", "targets", "dropout")}

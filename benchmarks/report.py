@@ -144,7 +144,7 @@ def render_grid(doc: dict) -> str:
 
     rows, env = bench_model.grid_ratios(doc), doc["env"]
     measures = (("train", "train step"), ("train_step_paired", "train step (paired)"), ("infer", "inference"),
-                ("decode_step_paired", "1-token decode"))  # fmt: skip
+                ("infer_step_paired", "inference (paired)"), ("decode_step_paired", "1-token decode"))  # fmt: skip
     lines = []
     if doc["kind"] != "gpu":
         lines += ["**CPU smoke run: these numbers only show that the pipeline works; they are not a benchmark.**", ""]
@@ -409,6 +409,7 @@ GRID_PANELS = (  # measure (or the upstream speed-up), file suffix, label, targe
     ("train_accum4", "train_accum4", "x4 accumulation step, ours fused / LoRA", 1.10, True),
     ("train_step_paired", "train_paired", "training step (paired in one process), ours fused / LoRA", 1.10, True),
     ("infer", "infer", "inference forward, ours fused / LoRA", 1.05, True),
+    ("infer_step_paired", "infer_paired", "inference forward (paired in one process), ours fused / LoRA", 1.05, True),
     ("decode_step_paired", "decode", "1-token decode (paired in one process), ours fused / LoRA", 1.10, True),
     ("speedup_vs_upstream_train", "speedup_vs_upstream", "training step, upstream DoRA / ours fused", 1.3, False),
 )

@@ -39,19 +39,19 @@ def test_default_grid_has_40_points_and_every_axis_extreme():
     assert {tuple(p["modules"]) for p in points} == {("q_proj", "v_proj"), bench_model.PROJECTIONS}
 
 
-def test_grid_runs_in_interleaved_rounds_within_three_device_calls():
+def test_grid_runs_in_interleaved_rounds_within_four_device_calls():
     cfg = _cfg()
     order = [(j["round"], j["impl"]) for j in bench_model.plan_jobs(cfg)]
     assert order == [(0, "upstream"), (0, "ours_fused"), (0, "lora"), (1, "lora"), (1, "ours_fused")]
     calls = bench_model.plan_calls(cfg)
-    assert 1 <= len(calls) <= 3 and all(c["s"] <= bench_model.CALL_BUDGET_S for c in calls)
+    assert 1 <= len(calls) <= 4 and all(c["s"] <= bench_model.CALL_BUDGET_S for c in calls)  # one per shape
     assert sorted(s for c in calls for s in c["shapes"]) == sorted(bench_model.GRID_SHAPES)
     command = bench_model.call_command("default", calls[0], 1)
     assert f"--grid-shapes {','.join(calls[0]['shapes'])}" in command and len(command) < 2000
     one = _cfg("--grid-shapes", "llama8b", "--modes", "bf16")["grid"]["points"]
     assert {(p["shape"], p["mode"]) for p in one} == {("llama8b", "bf16")}
     assert bench_model.grid_measures(cfg, "upstream") == ["train"]
-    assert {"train_step_paired", "decode_step_paired"} <= set(bench_model.grid_measures(cfg, "ours_fused"))
+    assert set(bench_model.PAIRED) <= set(bench_model.grid_measures(cfg, "ours_fused"))
     assert cfg["grid"]["train_pairs"] == bench_model.GRID_TRAIN_PAIRS
     with pytest.raises(SystemExit, match="--grid"):
         _cfg("--ranks", "8")
@@ -239,3 +239,21 @@ def test_paired_training_steps_give_their_own_worst_case_and_need_their_proof():
     records[-1]["grad_proof"] = {"ok": False, "bad_names": ["lora_magnitude_vector.default.weight"]}
     head = bench_model.headline_values(_grid_doc([a, b, c], records))
     assert head["grid_worst_dora_over_lora_train_paired_bf16"] is None and head["grid_points"] == 2
+
+
+def test_inference_keys_come_from_the_paired_forward_where_the_run_has_it():
+    """``infer_step_paired`` (the DoRA and the LoRA-twin forward back to back in one process) replaces the separately
+    timed ``infer`` in the inference keys; a run without it keeps the separately timed one."""
+    a = _point("qwen1.5b", "autocast", 8)
+    b = _point("llama1b", "bf16", 768)
+    records = []
+    for point, ratios in ((a, [1.3, 1.1, 1.2]), (b, [0.98, 1.02, 1.0])):
+        records += _point_records(point, ours=[20.0, 20.0], lora=[10.0, 10.0], upstream=30.0, decode=[1.0])  # infer 2.0
+        records.append(_rec("ours_fused", point, "infer_step_paired", 5.0, 0, pair_ratios=ratios,
+                            ratio_median=sorted(ratios)[1], lora_median_ms=4.0))  # fmt: skip
+    head = bench_model.headline_values(_grid_doc([a, b], records))
+    assert head["grid_worst_dora_over_lora_infer"] == pytest.approx(1.2) and head["grid_points"] == 2
+    assert head["grid_worst_dora_over_lora_infer_at"] == a["label"]
+    assert head["grid_worst_dora_over_lora_infer_bf16"] == pytest.approx(1.0)
+    before = [r for r in records if r["measure"] != "infer_step_paired"]
+    assert bench_model.headline_values(_grid_doc([a, b], before))["grid_worst_dora_over_lora_infer"] == 2.0
