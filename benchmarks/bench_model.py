@@ -1018,6 +1018,7 @@ def grid_headline_values(doc: dict) -> dict:
     speedups = [(r["speedup_vs_upstream_train"], where(r, "train")) for r in rows if r["speedup_vs_upstream_train"]]
     key = "grid_worst_speedup_vs_upstream_train"
     out[key], out[key + "_at"] = min(speedups) if speedups else (None, None)
+    out["grid_gpu"] = (doc.get("env") or {}).get("gpu")
     return out
 
 

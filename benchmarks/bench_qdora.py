@@ -91,6 +91,7 @@ def parse_args(argv=None):
     a("--plots", action="store_true", help="write the PNG beside the JSON")
     a("--headline", metavar="PATH", help="merge the headline keys into this headline.json")
     a("--merge", nargs="+", metavar="JSON", help="merge result JSONs (later files win per point) into --out")
+    a("--headline-of", nargs="+", metavar="JSON", help="write --headline from the worst of these runs' keys")
     a("--dry-run", action="store_true", help="print the plan, the GPU-seconds estimate and the call split")
     return p.parse_args(argv)
 
@@ -409,6 +410,28 @@ def update_headline(doc: dict, path: Path) -> dict:
     return bench_model.write_headline(doc["kind"], headline_values(doc), path)
 
 
+_BEST_IS_LOW = ("qdora_train_speedup_vs_upstream",)  # for every other qdora_* key a larger value is worse
+
+
+def worst_of_runs(named_docs: list) -> dict:
+    """The qdora_* keys over several runs (e.g. the 4096-token run and the 1024-token one, which cannot merge into one
+    document): each key the worst of the runs' :func:`headline_values`, its ``_at`` naming the run's file; a key that
+    any run left unmeasured (None) is None. ``qdora_gpu`` joins the runs' GPUs."""
+    heads = [(name, headline_values(doc)) for name, doc in named_docs]
+    out: dict = {}
+    for key in sorted({k for _, h in heads for k in h if not k.endswith("_at") and k != "qdora_gpu"}):
+        found = [(h[key], f"{h.get(key + '_at')} ({name})", name) for name, h in heads if key in h]
+        if any(v is None for v, _, _ in found):
+            out[key] = None
+            continue
+        value, at, name = (min if key in _BEST_IS_LOW else max)(found, key=lambda f: f[0])
+        out[key] = value
+        if any(key + "_at" in h for _, h in heads):
+            out[key + "_at"] = at
+    out["qdora_gpu"] = " / ".join(sorted({h["qdora_gpu"] for _, h in heads if h.get("qdora_gpu")}))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Report: table, plot.
 # ---------------------------------------------------------------------------------------------------------------
@@ -624,6 +647,15 @@ def finish(doc: dict, out: Path, args) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.headline_of:
+        if not args.headline:
+            raise SystemExit("--headline-of needs --headline")
+        docs = [json.loads(Path(p).read_text()) for p in args.headline_of]
+        kinds = {d["kind"] for d in docs}
+        values = worst_of_runs([(Path(p).name, d) for p, d in zip(args.headline_of, docs)])
+        print(json.dumps(bench_model.write_headline(kinds.pop() if len(kinds) == 1 else "mixed", values,
+                                                    Path(args.headline)), indent=1))  # fmt: skip
+        return 0
     if args.merge:
         if not args.out:
             raise SystemExit("--merge needs --out")

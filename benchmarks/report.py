@@ -495,7 +495,9 @@ def main(argv=None) -> int:
     p.add_argument("json")
     p.add_argument("--ranks", help="comma list of ranks to show (default: all in the JSON)")
     p.add_argument("--write", metavar="MARKDOWN", help="replace the table between the markers in this file")
-    p.add_argument("--marker", default="model", help="write between <!-- bench-MARKER:begin/end --> (model tables)")
+    p.add_argument(
+        "--marker", help="write between <!-- bench-MARKER:begin/end --> (default: grid for a grid run, else model)"
+    )
     p.add_argument("--plots", action="store_true", help="write the PNGs of a bench_model.py result instead")
     p.add_argument("--out-dir", help="where --plots writes (default: beside the JSON)")
     args = p.parse_args(argv)
@@ -507,11 +509,11 @@ def main(argv=None) -> int:
         return 0
     if "shapes" in doc:  # a bench_kernels.py result
         table, table_markers = render_kernels(doc), (KERNEL_BEGIN, KERNEL_END)
-    elif doc["config"].get("grid"):
-        table, table_markers = render_grid(doc), markers(args.marker)
+    elif doc["config"].get("grid"):  # by default into its own block: a grid table never replaces the model table
+        table, table_markers = render_grid(doc), markers(args.marker or "grid")
     else:
         table = render(doc, [int(r) for r in args.ranks.split(",")] if args.ranks else None)
-        table_markers = markers(args.marker)
+        table_markers = markers(args.marker or "model")
     if args.write:
         write_into(Path(args.write), table, *table_markers)
         print(f"updated {args.write}")

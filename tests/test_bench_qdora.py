@@ -171,6 +171,30 @@ def test_headline_is_the_worst_case_over_4bit_and_ranks():
     assert bench_qdora.headline_values(_doc(records[:3], quants=("nf4", "fp4")))["qdora_over_qlora_train"] is None
 
 
+def test_headline_of_several_runs_takes_each_keys_worst_and_names_its_run(tmp_path):
+    long = _doc(_point("nf4", 16, ours=[10.5, 10.5], lora=[10.0, 10.0], up=[20.0, 20.0]))  # 1.05, speed-up 1.9
+    short = _doc(_point("nf4", 16, ours=[15.0, 15.0], lora=[10.0, 10.0], up=[18.0, 18.0]))  # 1.5, speed-up 1.2
+    short["env"]["gpu"] = "H"
+    head = bench_qdora.worst_of_runs([("qdora.json", long), ("qdora_seq1024.json", short)])
+    assert head["qdora_over_qlora_train"] == 1.5 and head["qdora_over_qlora_train_at"] == "nf4 r16 (qdora_seq1024.json)"
+    assert head["qdora_train_speedup_vs_upstream"] == 1.2  # the smaller speed-up is the worse one
+    assert head["qdora_gpu"] == "G / H"
+    short["records"] = [r for r in short["records"] if r["kind"] != "qlora"]  # a run that lost its QLoRA
+    assert bench_qdora.worst_of_runs([("a", long), ("b", short)])["qdora_over_qlora_train"] is None
+    path = tmp_path / "headline.json"
+    path.write_text(json.dumps({"qdora_over_qlora_train": 9.0, "by_hand": 1}))
+    argv = ["--headline", str(path), "--headline-of"]
+    for name, doc in (
+        ("qdora.json", long),
+        ("qdora_seq1024.json", _doc(_point("nf4", 16, [12.0] * 2, [10.0] * 2, [24.0] * 2))),
+    ):
+        (tmp_path / name).write_text(json.dumps(doc))
+        argv.append(str(tmp_path / name))
+    assert bench_qdora.main(argv) == 0
+    written = json.loads(path.read_text())
+    assert written["qdora_over_qlora_train"] == 1.2 and written["by_hand"] == 1
+
+
 def test_a_training_step_that_failed_its_gradient_proof_leaves_the_headline(tmp_path):
     records = _point("nf4", 16, ours=[20.0, 11.0], lora=[10.0, 10.0], up=[30.0, 30.0])
     records[0]["train"]["grad_proof"] = {"ok": False, "bad_names": ["lora_A.default.weight"]}  # ours QDoRA round 0
