@@ -178,9 +178,9 @@ def config_s(cfg: dict, impl: str, kind: str, quant: str, rank: int) -> float:
     fwd = (flops * QUANT_SLOWDOWN[quant] + dense) / bench_model.EFFECTIVE_FLOPS
     tokens = (cfg["decode_warmup"] + 1) * cfg["decode_tokens"]
     steps, infers = cfg["warmup"] + cfg["repeats"], cfg["warmup"] + cfg["repeats"]
-    if kind == "qdora" and cfg.get("pairs"):  # a warm-up pair, then the pairs of each measure, the twin's half too
+    if kind == "qdora" and cfg.get("pairs"):  # warm-up pairs (3 training, 1 forward), then the pairs, the twin too
         sides = 2 * (cfg["pairs"] + 1)
-        tokens, steps, infers = tokens + sides * cfg["decode_tokens"], steps + sides, infers + sides
+        tokens, steps, infers = tokens + sides * cfg["decode_tokens"], steps + sides + 4, infers + sides
     decode = tokens * cfg["model"]["num_hidden_layers"] * DECODE_S_PER_LAYER * (1 + upstream_dora)
     return SETUP_S + steps * 4 * fwd + infers * fwd + fwd * cfg["prompt_tokens"] / cfg["seq"] + decode
 

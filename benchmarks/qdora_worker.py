@@ -186,7 +186,7 @@ PAIRED = ("train", "infer", "decode")  # measures also timed in QDoRA/QLoRA-twin
 
 def paired_measures(model, ids, cfg: dict, ctx, device, rank: int) -> dict:
     """The training step, inference forward and per-token decode of this QDoRA model and of a QLoRA twin, each
-    alternated ``cfg["pairs"]`` times in ABBA order (``model_worker.alternate``, after a warm-up pair). The twin is a
+    alternated ``cfg["pairs"]`` times in ABBA order (``model_worker.alternate``, after warm-up pairs). The twin is a
     second adapter on the same quantized layers with the same seeded A and B (no magnitude); ``set_adapter`` switches
     between them (and which of them trains), so both run on one base, in one process, seconds apart. At 1024 tokens
     a step is host-bound, and decode always is, and the host's speed drifts within a minute (QLoRA's own per-token
@@ -244,10 +244,13 @@ def paired_measures(model, ids, cfg: dict, ctx, device, rank: int) -> dict:
 
         return run
 
+    # warm-up pairs: three for training (QDoRA's first steps capture the norm graphs: with one warm-up pair the first
+    # two timed QDoRA steps took 107-171 ms against 63-83 ms for the later ones, NF4 seq 1024, H100, 2026-11-26), one
+    # for the forwards
     out = {}
     try:
-        for measure, make in (("train", train), ("infer", infer), ("decode", decode)):
-            out[f"{measure}_paired"] = mw.alternate(f"{measure}_paired", {s: make(s) for s in sides}, pairs)
+        for measure, make, warmup in (("train", train, 3), ("infer", infer, 1), ("decode", decode, 1)):
+            out[f"{measure}_paired"] = mw.alternate(f"{measure}_paired", {s: make(s) for s in sides}, pairs, warmup)
         out["train_paired"]["grad_proof"] = {side: proof.result() for side, proof in proofs.items()}
     finally:
         for opt in optimizers.values():
