@@ -221,35 +221,36 @@ def paired_measures(model, ids, cfg: dict, ctx, device, rank: int) -> dict:
 
         return run
 
-    def infer(side: str):
-        @torch.no_grad()
-        def run() -> float:
-            model.set_adapter(sides[side])
-            model.eval()
-            times = []
-            with timer.region(times), ctx():
-                model(input_ids=ids, use_cache=False)
-            return times[0]
+    def forward_ms() -> float:
+        times = []
+        with timer.region(times):
+            model(input_ids=ids, use_cache=False)
+        return times[0]
 
-        return run
+    def per_token_ms() -> float:
+        times = decode_pass(model, ids, cfg, timer)
+        return sum(times) / len(times)
 
-    def decode(side: str):
-        @torch.no_grad()
-        def run() -> float:
-            model.set_adapter(sides[side])
-            model.eval()
-            with ctx():
-                times = decode_pass(model, ids, cfg, timer)
-            return sum(times) / len(times)
+    def evaluation(measure):  # an eval-mode side: the adapter set, no autograd, under the precision mode
+        def make(side: str):
+            @torch.no_grad()
+            def run() -> float:
+                model.set_adapter(sides[side])
+                model.eval()
+                with ctx():
+                    return measure()
 
-        return run
+            return run
+
+        return make
 
     # warm-up pairs: three for training (QDoRA's first steps capture the norm graphs: with one warm-up pair the first
     # two timed QDoRA steps took 107-171 ms against 63-83 ms for the later ones, NF4 seq 1024, H100, 2026-11-26), one
     # for the forwards
     out = {}
     try:
-        for measure, make, warmup in (("train", train, 3), ("infer", infer, 1), ("decode", decode, 1)):
+        for measure, make, warmup in (("train", train, 3), ("infer", evaluation(forward_ms), 1),
+                                      ("decode", evaluation(per_token_ms), 1)):  # fmt: skip
             out[f"{measure}_paired"] = mw.alternate(f"{measure}_paired", {s: make(s) for s in sides}, pairs, warmup)
         out["train_paired"]["grad_proof"] = {side: proof.result() for side, proof in proofs.items()}
     finally:
