@@ -1015,6 +1015,9 @@ def grid_headline_values(doc: dict) -> dict:
         out[key], out[key + "_at"] = max(found) if found else (None, None)
     train = [r["dora_over_lora"][m] for r in rows for m in TRAIN_MEASURES if r["dora_over_lora"].get(m) is not None]
     out["grid_median_dora_over_lora_train"] = round(statistics.median(train), 4) if train else None
+    paired = [r["dora_over_lora"]["train_step_paired"] for r in rows if r["dora_over_lora"].get("train_step_paired")]
+    if "train_step_paired" in taken:  # a run before the paired step has no such key
+        out["grid_median_dora_over_lora_train_paired"] = round(statistics.median(paired), 4) if paired else None
     speedups = [(r["speedup_vs_upstream_train"], where(r, "train")) for r in rows if r["speedup_vs_upstream_train"]]
     key = "grid_worst_speedup_vs_upstream_train"
     out[key], out[key + "_at"] = min(speedups) if speedups else (None, None)

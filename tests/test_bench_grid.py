@@ -236,6 +236,7 @@ def test_paired_training_steps_give_their_own_worst_case_and_need_their_proof():
     assert head["grid_worst_dora_over_lora_train_paired_at"] == a["label"]
     assert head["grid_worst_dora_over_lora_train_paired_bf16"] == pytest.approx(1.04)
     assert head["grid_worst_dora_over_lora_train"] == pytest.approx(1.1) and head["grid_points"] == 3
+    assert head["grid_median_dora_over_lora_train_paired"] == pytest.approx(1.1)  # of 1.2, 1.1 and 1.04
     records[-1]["grad_proof"] = {"ok": False, "bad_names": ["lora_magnitude_vector.default.weight"]}
     head = bench_model.headline_values(_grid_doc([a, b, c], records))
     assert head["grid_worst_dora_over_lora_train_paired_bf16"] is None and head["grid_points"] == 2
