@@ -92,6 +92,7 @@ def parse_args(argv=None):
     a("--headline", metavar="PATH", help="merge the headline keys into this headline.json")
     a("--merge", nargs="+", metavar="JSON", help="merge result JSONs (later files win per point) into --out")
     a("--headline-of", nargs="+", metavar="JSON", help="write --headline from the worst of these runs' keys")
+    a("--from-workdir", metavar="DIR", help="assemble the JSON from the worker results a run left in DIR")
     a("--dry-run", action="store_true", help="print the plan, the GPU-seconds estimate and the call split")
     return p.parse_args(argv)
 
@@ -582,16 +583,11 @@ def run(args, argv: list) -> int:
         return 0
     t_start = time.time()
     end = t_start + args.budget_s if args.budget_s else math.inf
-    gpu = cfg["device"].startswith("cuda")
-    out = Path(args.out) if args.out else (RESULTS if gpu else RESULTS / "cpu_smoke") / "qdora.json"
-    workdir = Path(args.workdir)
+    out, workdir = _out_path(args, cfg), Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     targets = wheel_targets(args, workdir)
     model_dir = prepare_model(cfg, workdir)
-    env = {"date": datetime.date.today().isoformat(), "python": platform.python_version(), "device": cfg["device"]}
-    env["gpu"] = None if gpu else f"none (CPU: {platform.processor() or platform.machine()})"
-    doc = {"schema": SCHEMA, "kind": "gpu" if gpu else "cpu_smoke", "env": env, "impls": {}, "config": cfg,
-           "runs": [{"argv": argv}], "records": [], "errors": [], "skipped": [], "fidelity": {}}  # fmt: skip
+    doc = _new_doc(cfg, argv)
     fidelity_files: dict = {}
     for job in jobs:
         tag = f"{job['impl']}_r{job['round']}"
@@ -618,6 +614,39 @@ def run(args, argv: list) -> int:
         write_doc(doc, out)  # after every job: a call cut short keeps what finished
     doc["runs"][-1]["wall_s"] = round(time.time() - t_start, 1)
     return finish(doc, out, args)
+
+
+def _out_path(args, cfg: dict) -> Path:
+    gpu = cfg["device"].startswith("cuda")
+    return Path(args.out) if args.out else (RESULTS if gpu else RESULTS / "cpu_smoke") / "qdora.json"
+
+
+def _new_doc(cfg: dict, argv: list) -> dict:
+    gpu = cfg["device"].startswith("cuda")
+    env = {"date": datetime.date.today().isoformat(), "python": platform.python_version(), "device": cfg["device"]}
+    env["gpu"] = None if gpu else f"none (CPU: {platform.processor() or platform.machine()})"
+    return {"schema": SCHEMA, "kind": "gpu" if gpu else "cpu_smoke", "env": env, "impls": {}, "config": cfg,
+            "runs": [{"argv": argv}], "records": [], "errors": [], "skipped": [], "fidelity": {}}  # fmt: skip
+
+
+def assemble(args, argv: list) -> int:
+    """``--from-workdir``: the document of a run from the worker results its ``--workdir`` kept (``result_<job>.json``
+    and the fidelity ``.pt`` files they name), for a run whose JSON was lost (a device call brings back at most 8
+    files, and a killed driver writes nothing after its last job). Run it where the run ran, with the run's own
+    arguments; the jobs are :func:`plan_jobs`'s, each absorbed as :func:`run` does, none started."""
+    cfg = resolve_config(args)
+    workdir, doc, fidelity_files = Path(args.from_workdir), _new_doc(cfg, argv), {}
+    doc["runs"][0]["assembled_from_workdir"] = True
+    for job in plan_jobs(cfg):
+        path = workdir / f"result_{job['impl']}_r{job['round']}.json"
+        if not path.exists():
+            doc["skipped"].append({"impl": job["impl"], "round": job["round"], "why": "no result in the workdir"})
+            continue
+        result = json.loads(path.read_text())
+        absorb(doc, result, job, 0)
+        fidelity_files.update(result.get("fidelity") or {})
+    doc["fidelity"] = dict(cfg["fidelity"], **fidelity_metrics(fidelity_files)) if fidelity_files else {}
+    return finish(doc, _out_path(args, cfg), args)
 
 
 def write_doc(doc: dict, path: Path) -> None:
@@ -656,6 +685,8 @@ def main(argv=None) -> int:
         print(json.dumps(bench_model.write_headline(kinds.pop() if len(kinds) == 1 else "mixed", values,
                                                     Path(args.headline)), indent=1))  # fmt: skip
         return 0
+    if args.from_workdir:
+        return assemble(args, argv)
     if args.merge:
         if not args.out:
             raise SystemExit("--merge needs --out")

@@ -341,3 +341,12 @@ def test_cpu_smoke_runs_the_whole_pipeline(tmp_path):
     assert {"qdora_over_qlora_train", "qdora_int8_over_lora_train", "qdora_err_vs_fp32_ratio_to_upstream"} <= set(
         written
     )
+    # a run whose JSON was lost: the same document again from the worker results its workdir kept
+    again = tmp_path / "cpu_smoke" / "qdora_assembled.json"
+    bench_qdora.main([
+        "--device", "cpu", "--tiny", "--quants", "nf4,int8", "--ranks", "4", "--rounds", "1",
+        "--from-workdir", str(tmp_path / "work"), "--out", str(again),
+    ])  # fmt: skip
+    rebuilt = json.loads(again.read_text())
+    assert rebuilt["records"] == doc["records"] and rebuilt["summary"] == doc["summary"]
+    assert rebuilt["fidelity"] == doc["fidelity"] and rebuilt["runs"][0]["assembled_from_workdir"]
