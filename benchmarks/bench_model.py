@@ -73,6 +73,9 @@ EXTRA_MEASURES = ("decode_cached", "decode_paired")
 TASKS = ("speed", "fidelity", "convergence", "profile")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 COMPILED_MEASURES = ("train", "infer")
+# with --compile, ours (the --paired-impls) also times its compiled training step and inference forward against a
+# compiled LoRA twin adapter on the same model, back to back (the compiled_* DoRA/LoRA keys come from these)
+COMPILED_PAIRED = ("train_step_paired", "infer_step_paired")
 
 PRESETS = {
     "llama": {
@@ -334,13 +337,16 @@ def resolve_config(args) -> dict:
     if grid and (tasks != ["speed"] or args.measures or args.ranks or args.compile):
         raise SystemExit("--grid runs the speed task on its own points and measures: leave --tasks, --profile, "
                          "--measures, --ranks and --compile unset")  # fmt: skip
-    measures = _names(args.measures or ",".join(COMPILED_MEASURES if args.compile else MEASURES),
-                      MEASURES + EXTRA_MEASURES)  # fmt: skip
-    if args.compile and (set(tasks) != {"speed"} or set(measures) - set(COMPILED_MEASURES)):
+    compiled = COMPILED_MEASURES + COMPILED_PAIRED
+    measures = _names(args.measures or ",".join(compiled if args.compile else MEASURES),
+                      MEASURES + EXTRA_MEASURES + COMPILED_PAIRED)  # fmt: skip
+    if args.compile and (set(tasks) != {"speed"} or set(measures) - set(compiled)):
         raise SystemExit(
-            f"--compile times {', '.join(COMPILED_MEASURES)} in the speed task only (got tasks {tasks}, measures "
+            f"--compile times {', '.join(compiled)} in the speed task only (got tasks {tasks}, measures "
             f"{measures}): pass --tasks speed and leave --measures unset or pick from those"
         )
+    if not args.compile and set(measures) & set(COMPILED_PAIRED):
+        raise SystemExit(f"{', '.join(COMPILED_PAIRED)} are --compile measures (the grid takes its own)")
     conv_dims = (
         dict(preset, **TINY)
         if tiny
@@ -596,6 +602,10 @@ def estimate_s(cfg: dict, job: dict) -> float:
             per_tok = DECODE_S_PER_TOKEN_PER_LAYER * layers + dense_norm / EFFECTIVE_FLOPS
             total += ("decode" in meas) * (cfg["repeats"] + 1) * m["new_tokens"] * per_tok
             total += ("decode_cached" in meas) * (cfg["repeats"] + 1) * m["new_tokens"] * per_tok / 2
+            if job["impl"] in cfg["decode_paired"]["impls"]:  # compiled pairs: two warm-up pairs, the twin compiles
+                pairs = 2 * (GRID_TRAIN_PAIRS + 2)
+                total += ("train_step_paired" in meas) * (pairs * 3 * fwd + STARTUP_S)
+                total += ("infer_step_paired" in meas) * (pairs * fwd + STARTUP_S / 2)
             if "decode_paired" in meas and job["impl"] in cfg["decode_paired"]["impls"]:  # the LoRA twin: ~1/3
                 pairs = cfg["decode_paired"]["pairs"] + 1
                 total += STARTUP_S / 2 + pairs * m["new_tokens"] * per_tok * (1 + 1 / 3)
@@ -930,8 +940,10 @@ def time_ratio(doc: dict, num: str, den: str, mode: str, measure: str, rank: int
 
 def compiled_headline_values(doc: dict) -> dict:
     """The compiled_* headline keys of a ``--compile`` run, worst cases over its modes and ranks (ours = fused):
-    DoRA/LoRA train and infer (largest), train speed-up over upstream (smallest), and the graphs compiled while ours
-    was timed, after warm-up, summed over every record and round (must be 0)."""
+    DoRA/LoRA train and infer (largest; from the pairs with a compiled LoRA twin where the run took them, the
+    separately timed processes' ratios in ``_separate``), train speed-up over upstream (smallest), and the graphs
+    compiled while ours was timed, after warm-up and in the timed pairs, summed over every record and round (must
+    be 0)."""
     cfg = doc["config"]
     points = [(mode, rank) for mode in cfg["modes"] for rank in cfg["ranks"]]
 
@@ -940,13 +952,27 @@ def compiled_headline_values(doc: dict) -> dict:
         values = [x for x in values if x is not None]
         return pick(values) if len(values) == len(points) else None  # a point that did not run: no worst case
 
+    def worst_paired(measure):  # DoRA/LoRA from the pairs with a compiled LoRA twin; None if a point lacks them
+        values = []
+        for mode, rank in points:
+            record = _record(doc, "ours_fused", mode, measure, rank)
+            values.append(None if record is None or not proof_ok(record) else record.get("ratio_median"))
+        return round(max(values), 4) if values and None not in values else None
+
     recompiles = None
     ours = [r for r in doc.get("speed", []) if r["impl"] == "ours_fused"]
     if ours:
         recompiles = sum((x.get("tiers") or {}).get("compiled_graphs", 0) for r in ours for x in r.get("rounds") or [r])
+    taken = {r["measure"] for r in ours}
+    train, infer = (
+        (worst_paired(m) if m in taken else worst(max, "ours_fused", "lora", plain))
+        for m, plain in (("train_step_paired", "train"), ("infer_step_paired", "infer"))
+    )
     return {
-        "compiled_dora_over_lora_train": worst(max, "ours_fused", "lora", "train"),
-        "compiled_dora_over_lora_infer": worst(max, "ours_fused", "lora", "infer"),
+        "compiled_dora_over_lora_train": train,
+        "compiled_dora_over_lora_infer": infer,
+        "compiled_dora_over_lora_train_separate": worst(max, "ours_fused", "lora", "train"),
+        "compiled_dora_over_lora_infer_separate": worst(max, "ours_fused", "lora", "infer"),
         "compiled_train_speedup_vs_upstream": worst(min, "upstream", "ours_fused", "train"),
         "compiled_infer_speedup_vs_upstream": worst(min, "upstream", "ours_fused", "infer"),
         "compiled_recompiles_after_warmup": recompiles,
@@ -1287,7 +1313,7 @@ def print_rank_tables(doc: dict) -> None:
         if "pair_ratios" in r:
             per = " ".join(f"{q:.3f}" for q in r["pair_ratios"])
             print(
-                f"paired {r['mode']:8s} r={r['rank']:<4d} {r['impl']:11s} decode ms/token {r['median_ms']:.2f} vs "
+                f"paired {r['mode']:8s} r={r['rank']:<4d} {r['impl']:11s} {r['measure']} {r['median_ms']:.2f} ms vs "
                 f"LoRA {r['lora_median_ms']:.2f}, ratio median {r['ratio_median']:.3f} of: {per}"
             )
     fid = doc.get("fidelity", {}).get("metrics", {}).get("modes", {})

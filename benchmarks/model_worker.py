@@ -564,6 +564,9 @@ def task_speed(spec, impl, cfg, device, records: list, flush) -> list:
             flush()
             line = ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in res.items())
             print(f"[{impl['name']}] {mode} r={rank}: {line} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
+            if compile_mode is not None and impl["name"] in spec["decode_paired"]["impls"]:
+                compiled_pairs(model, cfg, rank, mode, device, spec, records, impl["name"])
+                flush()
             if "decode_paired" in spec["measures"] and impl["name"] in spec["decode_paired"]["impls"]:
                 paired = decode_paired(model, cfg, rank, mode, device, spec["decode_paired"]["pairs"])
                 records.append({"impl": impl["name"], "mode": mode, "rank": rank, **paired})
@@ -581,6 +584,26 @@ def task_speed(spec, impl, cfg, device, records: list, flush) -> list:
 
 
 TWIN = "lora_twin"  # the plain-LoRA adapter beside a grid point's DoRA adapter, for paired decode
+
+COMPILED_PAIRED = ("train_step_paired", "infer_step_paired")  # bench_model.COMPILED_PAIRED
+
+
+def compiled_pairs(model, cfg, rank: int, mode: str, device, spec: dict, records: list, impl_name: str) -> None:
+    """With ``--compile``: the compiled training step and inference forward of this DoRA model against a compiled
+    plain-LoRA twin adapter on the same model (:func:`train_step_paired`, :func:`infer_step_paired` through one
+    ``torch.compile`` of it; ``set_adapter`` makes Dynamo compile a graph per adapter and mode in the warm-up pairs,
+    and the timed pairs' ``tiers`` count any graph compiled after them). The compiled subprocesses of ours and of
+    LoRA run a minute apart, and between such runs the ratios moved by up to 0.05, the gap to the targets."""
+    point = {"rank": rank, "modules": list(TARGETS), "dropout": 0.0, "mode": mode}
+    forward = compiled_call(model, spec["compile"])
+    pairs = spec["decode_paired"]["pairs"]
+    for measure, fn in (("train_step_paired", train_step_paired), ("infer_step_paired", infer_step_paired)):
+        if measure in spec["measures"]:
+            r = fn(model, cfg, point, device, pairs, forward=forward)
+            records.append({"impl": impl_name, "mode": mode, "rank": rank, "measure": measure, **r,
+                            "compile": spec["compile"]})  # fmt: skip
+            print(f"[{impl_name}] {mode} r={rank}: compiled {measure} DoRA/LoRA twin {r['ratio_median']:.3f} "
+                  f"({r['median_ms']:.2f} vs {r['lora_median_ms']:.2f} ms)", flush=True)  # fmt: skip
 
 
 def decode_step_paired(model, cfg, point: dict, device, pairs: int, steps: int) -> dict:
@@ -629,14 +652,16 @@ def add_lora_twin(model, cfg, point: dict) -> None:
     seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"], adapter=TWIN)
 
 
-def train_step_paired(model, cfg, point: dict, device, pairs: int) -> dict:
+def train_step_paired(model, cfg, point: dict, device, pairs: int, forward=None) -> dict:
     """The training step (forward with the model's gradient checkpointing, backward, AdamW step) of the DoRA adapter
     against a plain-LoRA twin adapter on the same base model (:func:`add_lora_twin`), in ABBA pairs
     (:func:`alternate`), each side with its own optimizer over its own adapter's tensors. At small ranks and few
     tokens a step is host-bound, and a host's speed drifts by up to 2x within a minute: the ``train`` records of the
     DoRA and LoRA subprocesses can land in different phases, two steps back to back share one. Every step's
-    gradients are proved (:class:`GradProof`, per side) and the record keeps both proofs."""
+    gradients are proved (:class:`GradProof`, per side) and the record keeps both proofs. ``forward``: the model's
+    call to time (a ``torch.compile`` of it, :func:`compiled_call`; default the model itself)."""
     add_lora_twin(model, cfg, point)
+    forward = model if forward is None else forward
     model.train()
     ids, labels = make_inputs(cfg, device)
     timer, sides = Timer(device), {}
@@ -652,7 +677,7 @@ def train_step_paired(model, cfg, point: dict, device, pairs: int) -> dict:
         times: list = []
         with timer.region(times):
             with precision_ctx(point["mode"], device):
-                loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+                loss = forward(input_ids=ids, labels=labels, use_cache=False).loss
             loss.backward()
             optimizer.step()
         proof()
@@ -672,14 +697,15 @@ def train_step_paired(model, cfg, point: dict, device, pairs: int) -> dict:
     return out
 
 
-def infer_step_paired(model, cfg, point: dict, device, pairs: int) -> dict:
+def infer_step_paired(model, cfg, point: dict, device, pairs: int, forward=None) -> dict:
     """The inference forward (eval, no autograd, the point's batch and sequence) of the DoRA adapter against a
     plain-LoRA twin adapter on the same base model (:func:`add_lora_twin`), in ABBA pairs (:func:`alternate`, two
     warm-up calls per side). At the grid's small points the forward is host-bound: the ``infer`` records of the DoRA
     and LoRA subprocesses land in different phases of a host whose speed drifts by up to 2x within a minute (one
     profiled LoRA forward took 9.6 and 13.1 ms seconds apart, qwen1.5b r8 seq 512, H100 machine), two forwards back
-    to back share one."""
+    to back share one. ``forward`` as for :func:`train_step_paired`."""
     add_lora_twin(model, cfg, point)
+    forward = model if forward is None else forward
     model.eval()
     ids, _ = make_inputs(cfg, device)
     timer = Timer(device)
@@ -689,7 +715,7 @@ def infer_step_paired(model, cfg, point: dict, device, pairs: int) -> dict:
         model.set_adapter(adapter)
         times: list = []
         with timer.region(times), precision_ctx(point["mode"], device):
-            model(input_ids=ids, use_cache=False)
+            forward(input_ids=ids, use_cache=False)
         return times[0]
 
     out = alternate("infer_step_paired", {"dora": lambda: forward_ms("default"), "lora": lambda: forward_ms(TWIN)},

@@ -177,3 +177,39 @@ def test_compare_report_names_the_tier_that_ran():
     assert "eager tier only" in text
     speed[1]["tiers"] = {"fused_backward": 56, "norm_computed": 56}
     assert "ours (tiers: fused_backward)" in compare.report(doc)
+
+
+def _compiled_doc(records, ranks=(8,)):
+    cfg = {"headline_rank": 8, "compile": "default", "modes": ["bf16"], "ranks": list(ranks)}
+    return {"config": cfg, "env": {"gpu": "G"}, "speed": bench_model.collapse_rounds(records)}
+
+
+def _pair(measure, ratios, rnd, ok=True, graphs=0, rank=8):
+    rec = dict(_rec("ours_fused", 10.0, rnd, measure=measure), rank=rank, pair_ratios=ratios, lora_median_ms=9.0,
+               ratio_median=sorted(ratios)[len(ratios) // 2], tiers={"compiled_graphs": graphs})  # fmt: skip
+    if measure == "train_step_paired":
+        rec["grad_proof"] = {"ok": ok}
+    return rec
+
+
+def test_compiled_keys_come_from_the_pairs_with_a_compiled_lora_twin():
+    """A --compile run's compiled_dora_over_lora_* keys: the worst over its points of the pairs' median (every pair of
+    every round), the separately timed processes' ratio in ``_separate``; a failed proof or a missing point leaves
+    the key None; graphs compiled while pairs were timed count as recompiles."""
+    separate = [_rec(impl, ms, k, measure=m) for k in (0, 1) for impl, ms in (("ours_fused", 11.0), ("lora", 10.0))
+                for m in ("train", "infer")]  # fmt: skip
+    pairs = [_pair("train_step_paired", [1.02, 1.06], 0), _pair("train_step_paired", [1.04, 1.2], 1),
+             _pair("infer_step_paired", [0.99, 1.01], 0), _pair("infer_step_paired", [1.0, 1.03], 1)]  # fmt: skip
+    head = bench_model.headline_values(_compiled_doc(separate + pairs))
+    assert head["compiled_dora_over_lora_train"] == pytest.approx(1.05)  # median of 1.02, 1.06, 1.04, 1.2
+    assert head["compiled_dora_over_lora_infer"] == pytest.approx(1.005)
+    assert head["compiled_dora_over_lora_train_separate"] == pytest.approx(1.1)
+    assert head["compiled_recompiles_after_warmup"] == 0
+    pairs[1] = _pair("train_step_paired", [1.04, 1.2], 1, ok=False)
+    pairs[3] = _pair("infer_step_paired", [1.0, 1.03], 1, graphs=2)
+    head = bench_model.headline_values(_compiled_doc(separate + pairs))
+    assert head["compiled_dora_over_lora_train"] is None and head["compiled_recompiles_after_warmup"] == 2
+    # a run before the pairs: the separately timed ratios; a point without pairs in a run that has them: no worst case
+    assert bench_model.headline_values(_compiled_doc(separate))["compiled_dora_over_lora_infer"] == pytest.approx(1.1)
+    more = separate + [dict(r, rank=64) for r in separate] + [_pair("infer_step_paired", [1.0], 0)]
+    assert bench_model.headline_values(_compiled_doc(more, ranks=(8, 64)))["compiled_dora_over_lora_infer"] is None
