@@ -890,6 +890,13 @@ def speed_value(doc: dict, impl: str, mode: str, measure: str, rank: int, key: s
     return None if r is None else r.get(key)
 
 
+def paired_ratio(doc: dict, mode: str, measure: str, rank: int, point: str | None = None):
+    """Ours fused / its LoRA twin from a paired record (the median of every pair's ratio); None where the record is
+    missing or failed its gradient proof."""
+    record = _record(doc, "ours_fused", mode, measure, rank, point)
+    return None if record is None or not proof_ok(record) else record.get("ratio_median")
+
+
 def proof_ok(record: dict) -> bool:
     """Whether a training record proved that every round trained (:class:`model_worker.GradProof`). A grid record
     must carry the proof; a record of an older run without one passes."""
@@ -953,10 +960,7 @@ def compiled_headline_values(doc: dict) -> dict:
         return pick(values) if len(values) == len(points) else None  # a point that did not run: no worst case
 
     def worst_paired(measure):  # DoRA/LoRA from the pairs with a compiled LoRA twin; None if a point lacks them
-        values = []
-        for mode, rank in points:
-            record = _record(doc, "ours_fused", mode, measure, rank)
-            values.append(None if record is None or not proof_ok(record) else record.get("ratio_median"))
+        values = [paired_ratio(doc, mode, measure, rank) for mode, rank in points]
         return round(max(values), 4) if values and None not in values else None
 
     recompiles = None
@@ -995,8 +999,7 @@ def grid_ratios(doc: dict) -> list:
             if measure not in taken or (measure == "train_accum4" and not p["accum4"]):
                 continue
             if measure in PAIRED:
-                record = _record(doc, "ours_fused", at["mode"], measure, at["rank"], at["point"])
-                paired = None if record is None or not proof_ok(record) else record.get("ratio_median")
+                paired = paired_ratio(doc, at["mode"], measure, at["rank"], at["point"])
                 ratios[measure] = None if paired is None else round(paired, 4)
             else:
                 ratios[measure] = time_ratio(doc, "ours_fused", "lora", measure=measure, **at)

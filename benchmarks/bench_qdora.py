@@ -421,11 +421,11 @@ def worst_of_runs(named_docs: list) -> dict:
     heads = [(name, headline_values(doc)) for name, doc in named_docs]
     out: dict = {}
     for key in sorted({k for _, h in heads for k in h if not k.endswith("_at") and k != "qdora_gpu"}):
-        found = [(h[key], f"{h.get(key + '_at')} ({name})", name) for name, h in heads if key in h]
-        if any(v is None for v, _, _ in found):
+        found = [(h[key], f"{h.get(key + '_at')} ({name})") for name, h in heads if key in h]
+        if any(v is None for v, _ in found):
             out[key] = None
             continue
-        value, at, name = (min if key in _BEST_IS_LOW else max)(found, key=lambda f: f[0])
+        value, at = (min if key in _BEST_IS_LOW else max)(found, key=lambda f: f[0])
         out[key] = value
         if any(key + "_at" in h for _, h in heads):
             out[key + "_at"] = at

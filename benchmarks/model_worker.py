@@ -585,8 +585,6 @@ def task_speed(spec, impl, cfg, device, records: list, flush) -> list:
 
 TWIN = "lora_twin"  # the plain-LoRA adapter beside a grid point's DoRA adapter, for paired decode
 
-COMPILED_PAIRED = ("train_step_paired", "infer_step_paired")  # bench_model.COMPILED_PAIRED
-
 
 def compiled_pairs(model, cfg, rank: int, mode: str, device, spec: dict, records: list, impl_name: str) -> None:
     """With ``--compile``: the compiled training step and inference forward of this DoRA model against a compiled
@@ -662,39 +660,53 @@ def train_step_paired(model, cfg, point: dict, device, pairs: int, forward=None)
     call to time (a ``torch.compile`` of it, :func:`compiled_call`; default the model itself)."""
     add_lora_twin(model, cfg, point)
     forward = model if forward is None else forward
-    model.train()
     ids, labels = make_inputs(cfg, device)
-    timer, sides = Timer(device), {}
-    for name, adapter in (("dora", "default"), ("lora", TWIN)):
-        model.set_adapter(adapter)  # only the active adapter's tensors require gradients
-        params = [p for p in model.parameters() if p.requires_grad]
-        sides[name] = (adapter, torch.optim.AdamW(params, lr=1e-6, foreach=True), GradProof(model))
 
-    def step_ms(name: str) -> float:
-        adapter, optimizer, proof = sides[name]
+    def loss():
+        with precision_ctx(point["mode"], device):
+            return forward(input_ids=ids, labels=labels, use_cache=False).loss
+
+    # two warm-up steps per side, as the ``train`` measure takes: with one, the first timed DoRA step captured the
+    # norm graphs (H200, llama1b grid: every point's first pair ratio 1.2-1.5x its others)
+    out, proofs = train_pairs(model, {"dora": "default", "lora": TWIN}, loss, device, pairs, 2, 1e-6,
+                              "train_step_paired")  # fmt: skip
+    out["grad_proof"], out["lora_grad_proof"] = proofs["dora"], proofs["lora"]
+    if not out["lora_grad_proof"]["ok"]:  # a LoRA side that did not train makes no ratio either
+        out["grad_proof"] = dict(out["grad_proof"], ok=False)
+    return out
+
+
+def train_pairs(model, adapters: dict, loss, device, pairs: int, warmup: int, lr: float, name: str):
+    """Training steps of two adapters of ``model`` (``adapters``: side name -> adapter name, the first the one left
+    active afterwards) in ABBA pairs (:func:`alternate`), each side with its own AdamW over its own adapter's tensors
+    (``set_adapter`` makes only the active adapter's tensors require gradients): ``loss()`` under the active adapter,
+    its backward and the optimizer step are timed, gradients dropped untimed before; every step's gradients proved
+    per side (:class:`GradProof`). Returns the paired record and ``{side: proof}``."""
+    model.train()
+    timer, sides = Timer(device), {}
+    for side, adapter in adapters.items():
+        model.set_adapter(adapter)
+        params = [p for p in model.parameters() if p.requires_grad]
+        sides[side] = (adapter, torch.optim.AdamW(params, lr=lr, foreach=True), GradProof(model))
+
+    def step_ms(side: str) -> float:
+        adapter, optimizer, proof = sides[side]
         model.set_adapter(adapter)
         model.zero_grad(set_to_none=True)
         times: list = []
         with timer.region(times):
-            with precision_ctx(point["mode"], device):
-                loss = forward(input_ids=ids, labels=labels, use_cache=False).loss
-            loss.backward()
+            loss().backward()
             optimizer.step()
         proof()
         return times[0]
 
-    # two warm-up steps per side, as the ``train`` measure takes: with one, the first timed DoRA step captured the
-    # norm graphs (H200, llama1b grid: every point's first pair ratio 1.2-1.5x its others)
-    out = alternate("train_step_paired", {name: lambda name=name: step_ms(name) for name in sides}, pairs, warmup=2)
-    out["grad_proof"] = sides["dora"][2].result()
-    out["lora_grad_proof"] = sides["lora"][2].result()
-    if not out["lora_grad_proof"]["ok"]:  # a LoRA side that did not train makes no ratio either
-        out["grad_proof"] = dict(out["grad_proof"], ok=False)
-    model.set_adapter("default")
+    out = alternate(name, {side: lambda side=side: step_ms(side) for side in sides}, pairs, warmup=warmup)
+    proofs = {side: proof.result() for side, (_, _, proof) in sides.items()}
+    model.set_adapter(next(iter(adapters.values())))
     model.zero_grad(set_to_none=True)
     sides.clear()  # the optimizers and their state
     release()
-    return out
+    return out, proofs
 
 
 def infer_step_paired(model, cfg, point: dict, device, pairs: int, forward=None) -> dict:

@@ -199,27 +199,10 @@ def paired_measures(model, ids, cfg: dict, ctx, device, rank: int) -> dict:
     model.add_adapter(twin, lora_config(rank, dora=False))
     seed_adapters(model, cfg["seed"], cfg["model"]["initializer_range"], adapter=twin)
     timer, pairs, sides = mw.Timer(device), cfg["pairs"], {"dora": "default", "lora": twin}
-    optimizers, proofs = {}, {}
-    for side, adapter in sides.items():
-        model.set_adapter(adapter)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizers[side], proofs[side] = torch.optim.AdamW(trainable, lr=cfg["lr"]), mw.GradProof(model)
 
-    def train(side: str):
-        def run() -> float:
-            model.set_adapter(sides[side])
-            model.train()
-            optimizers[side].zero_grad(set_to_none=True)
-            times = []
-            with timer.region(times):
-                with ctx():
-                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-                loss.backward()
-                optimizers[side].step()
-            proofs[side]()
-            return times[0]
-
-        return run
+    def loss():
+        with ctx():
+            return model(input_ids=ids, labels=ids, use_cache=False).loss
 
     def forward_ms() -> float:
         times = []
@@ -231,32 +214,26 @@ def paired_measures(model, ids, cfg: dict, ctx, device, rank: int) -> dict:
         times = decode_pass(model, ids, cfg, timer)
         return sum(times) / len(times)
 
-    def evaluation(measure):  # an eval-mode side: the adapter set, no autograd, under the precision mode
-        def make(side: str):
-            @torch.no_grad()
-            def run() -> float:
-                model.set_adapter(sides[side])
-                model.eval()
-                with ctx():
-                    return measure()
+    def evaluation(measure, side: str):  # an eval-mode side: the adapter set, no autograd, the precision mode
+        @torch.no_grad()
+        def run() -> float:
+            model.set_adapter(sides[side])
+            model.eval()
+            with ctx():
+                return measure()
 
-            return run
+        return run
 
-        return make
-
-    # warm-up pairs: three for training (QDoRA's first steps capture the norm graphs: with one warm-up pair the first
-    # two timed QDoRA steps took 107-171 ms against 63-83 ms for the later ones, NF4 seq 1024, H100, 2026-11-26), one
-    # for the forwards
     out = {}
     try:
-        for measure, make, warmup in (("train", train, 3), ("infer", evaluation(forward_ms), 1),
-                                      ("decode", evaluation(per_token_ms), 1)):  # fmt: skip
-            out[f"{measure}_paired"] = mw.alternate(f"{measure}_paired", {s: make(s) for s in sides}, pairs, warmup)
-        out["train_paired"]["grad_proof"] = {side: proof.result() for side, proof in proofs.items()}
+        # three warm-up pairs for training (QDoRA's first steps capture the norm graphs: with one warm-up pair the
+        # first two timed QDoRA steps took 107-171 ms against 63-83 ms for the later ones, NF4 seq 1024, H100,
+        # 2026-11-26), one for the forwards
+        out["train_paired"], proofs = mw.train_pairs(model, sides, loss, device, pairs, 3, cfg["lr"], "train_paired")
+        out["train_paired"]["grad_proof"] = proofs
+        for measure, run in (("infer", forward_ms), ("decode", per_token_ms)):
+            out[f"{measure}_paired"] = mw.alternate(f"{measure}_paired", {s: evaluation(run, s) for s in sides}, pairs)
     finally:
-        for opt in optimizers.values():
-            opt.zero_grad(set_to_none=True)
-            opt.state.clear()
         model.set_adapter("default")
         model.delete_adapter(twin)
         mw.release()
