@@ -791,9 +791,15 @@ class DoraLinearVariant(_DoraVariantBase):
 
 
 def _base_layer(module: nn.Module) -> nn.Module:
-    """``module.get_base_layer()``, without its failing attribute probe (an exception per call) for a plain Linear."""
+    """``module.get_base_layer()``, without its failing attribute probe (an exception inside ``nn.Module.__getattr__``
+    per call) where the wrapped layer has no ``base_layer`` of its own: a plain Linear, a bitsandbytes layer."""
     base = module._modules.get("base_layer")
-    return base if type(base) is nn.Linear else module.get_base_layer()
+    if type(base) is nn.Linear:
+        return base
+    if base is not None and "base_layer" not in base._modules and "base_layer" not in base.__dict__:
+        if not hasattr(type(base), "base_layer"):
+            return base
+    return module.get_base_layer()
 
 
 def _accelerator_of(lora_A: torch.Tensor, lora_B: torch.Tensor) -> torch.device:

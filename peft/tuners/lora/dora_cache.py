@@ -35,6 +35,7 @@ from .dora_graph import NormGraph, StorageNormGraph, same_objects
 norm_counts: collections.Counter = collections.Counter()
 """DoRA forwards' weight norms and scales, ``norm_computed``/``norm_reused``, ``scale_computed``/``scale_reused``."""
 
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 _epoch = [0]  # bumped by every optimizer step and every merge/unmerge: no norm memo survives either
 _merge_epoch = [0]  # bumped by merges/unmerges only: what can change a frozen weight behind its version counter
 
@@ -122,11 +123,14 @@ class Memo:
         self.refs, self.key, self.value = (), None, None
 
     def _key(self, tensors, extra) -> tuple:
-        return (
-            self.epoch[0],
-            extra,
-            [(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors],
-        )
+        # without __torch_function__: bitsandbytes' Params4bit has a Python one, which made every attribute read here
+        # a Python call (a QDoRA forward's key cost ~4x a plain one's); the values are the same
+        with _NO_TORCH_FUNCTION():
+            return (
+                self.epoch[0],
+                extra,
+                [(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors],
+            )
 
     def get(self, tensors, extra=()) -> Optional[torch.Tensor]:
         if self.value is None or not same_objects(self.refs, tensors):
@@ -253,8 +257,9 @@ def reused(memo: Memo, what: str, sources, extra=()) -> Optional[torch.Tensor]:
 
 def capturing(sources) -> bool:
     """Whether a CUDA graph is being captured on the current stream. A capture computes afresh: its replays must
-    follow later in-place updates of the factors, as eager forwards do."""
-    return sources[0].is_cuda and torch.cuda.is_current_stream_capturing()
+    follow later in-place updates of the factors, as eager forwards do. (Asked of CUDA, not of the tensors: a
+    quantized parameter's ``is_cuda`` is a Python call through its ``__torch_function__``.)"""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class LayerReuse:

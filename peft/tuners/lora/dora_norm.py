@@ -361,7 +361,12 @@ def _on_default_stream(t: torch.Tensor) -> bool:
     run a graph's first calls on a stream of their own with every allocation routed to their private pool, which
     must hold nothing but the graph's outputs afterwards, and replays do not run the op at all: a value kept there
     would break the pool and never be read."""
-    return not t.is_cuda or torch.cuda.current_stream(t.device) == torch.cuda.default_stream(t.device)
+    if not t.is_cuda:
+        return True
+    index = t.get_device()
+    # the streams' ids, without building two torch.cuda.Stream objects per call (a compiled step calls this op twice
+    # per DoRA Linear, on the host's critical path of the forward)
+    return torch._C._cuda_getCurrentStream(index)[0] == torch._C._cuda_getDefaultStream(index)[0]
 
 
 def _weight_norm_op_fake(weight, lora_A, lora_B, scale, reuse, frozen):

@@ -75,7 +75,9 @@ class QuantizedWeight:
     __slots__ = ("param", "kind", "shape", "dtype", "device", "sources", "keys", "versions", "_scales")
 
     def __init__(self, layer: nn.Module, param: torch.Tensor, kind: str):
-        self.param, self.kind, self.device = param, kind, param.device
+        with torch._C.DisableTorchFunctionSubclass():  # Params4bit's Python __torch_function__: a call per read
+            device = param.device
+        self.param, self.kind, self.device = param, kind, device
         self._scales = None
         if kind == "4bit":
             state = param.quant_state

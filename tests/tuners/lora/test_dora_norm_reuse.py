@@ -448,3 +448,74 @@ def test_zero3_partition_zero_test_once_per_step_and_never_stale(tmp_path):
         dora_cache._has_zero = has_zero
         dora_dist.PartitionZeroTest._groups.clear()
         dist.destroy_process_group()
+
+
+class _TorchFunctionCounting(torch.Tensor):
+    """A parameter subclass with a Python ``__torch_function__`` (as bitsandbytes' ``Params4bit`` has), counting the
+    calls that go through it."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_memo_keys_a_torch_function_subclass_without_calling_it():
+    """A memo's key reads data pointer, version, layout and device of each source; for a tensor subclass with a Python
+    ``__torch_function__`` those reads must not go through it (a QDoRA forward paid ~4x a plain one's key for it), and
+    the key must still see an in-place change."""
+    from peft.tuners.lora.dora_cache import Memo, capturing
+
+    weight = torch.randn(8, 4).as_subclass(_TorchFunctionCounting)
+    plain = torch.randn(8)
+    memo = Memo()
+    value = torch.ones(8)
+    memo.put((weight, plain), value)
+    _TorchFunctionCounting.calls = 0
+    assert memo.get((weight, plain)) is value
+    assert not capturing((weight, plain))
+    assert _TorchFunctionCounting.calls == 0
+    with torch.no_grad():
+        torch.Tensor.add_(weight.as_subclass(torch.Tensor), 1.0)  # shares the version counter
+    assert memo.get((weight, plain)) is None
+
+
+def test_base_layer_fast_path_matches_get_base_layer():
+    """``dora._base_layer`` skips ``get_base_layer()``'s attribute probe where the wrapped layer has no ``base_layer``
+    of its own, and defers to it where it has one (a module, an attribute or a property)."""
+
+    class LinearSubclass(nn.Linear):
+        pass
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.base_layer = inner
+
+    class WithAttribute(nn.Linear):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.__dict__["base_layer"] = nn.Linear(2, 2)
+
+    class WithProperty(nn.Linear):
+        @property
+        def base_layer(self):
+            return self._probe
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            self._probe = nn.Linear(2, 2)
+
+    inners = (nn.Linear(2, 2), LinearSubclass(2, 2), Wrapper(nn.Linear(2, 2)), WithAttribute(2, 2), WithProperty(2, 2))
+    for inner in inners:
+        outer = Wrapper(inner)
+        outer.get_base_layer = lambda outer=outer: _walk(outer)
+        assert dora._base_layer(outer) is _walk(outer)
+
+
+def _walk(module):
+    while hasattr(module, "base_layer"):
+        module = module.base_layer
+    return module
