@@ -10,7 +10,7 @@ norm and is kept on the shards (``test_dora_fsdp2_cpu._check_sharded_norm``).
 
 import pytest
 import torch
-from test_dora_fsdp2_cpu import _check_sharded_norm, _train
+from test_dora_fsdp2_cpu import MODULES, _check_sharded_norm, _train
 
 
 pytestmark = pytest.mark.gpu
@@ -35,3 +35,23 @@ def test_fsdp2_on_gpus_trains_as_without_fsdp(tmp_path, optim, reshard):
     # what plain LoRA under the same engine does
     lora = _train(tmp_path, 1, *flags, "--fsdp", "1", "--dora", "0")
     assert runs[1]["syncs"] and max(runs[1]["syncs"]) <= max(lora["syncs"]), (runs[1]["syncs"], lora["syncs"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_qdora_fsdp2_on_two_gpus_trains_as_one_gpu(tmp_path):
+    """QDoRA under FSDP2 on two GPUs (bitsandbytes' FSDP recipe: NF4 packed in an fp32 storage dtype, which FSDP2
+    shards and gathers, with the fused tiers and the chunked 4-bit norm on CUDA): the same losses and adapter as the
+    same model on one GPU without FSDP2, and one norm per module and step (the checkpoint recompute reuses it, kept on
+    the shards) with ``‖W‖²`` once per run."""
+    pytest.importorskip("bitsandbytes")
+    flags = ("--device", "cuda", "--optim", "sgd", "--quant", "nf4", "--checkpointing", "1")
+    single = _train(tmp_path, 1, *flags, "--fsdp", "0")
+    sharded = _train(tmp_path, 2, *flags)
+    assert sharded["fsdp"] and sharded["world"] == 2 and not single["fsdp"]
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=1e-5)
+    assert sorted(sharded["adapter"]) == sorted(single["adapter"])
+    for name, value in single["adapter"].items():
+        torch.testing.assert_close(sharded["adapter"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    for step, counts in enumerate(sharded["counts"]):
+        assert counts.get("norm_computed") == counts.get("norm_reused") == MODULES, (step, counts)
+        assert counts.get("w_sq_computed", 0) == (MODULES if step == 0 else 0), (step, counts)
