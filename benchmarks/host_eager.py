@@ -1,0 +1,190 @@
+"""Host time of an eager DoRA Linear against a LoRA Linear, per module: a CPU stand-in for the GPU's host cost.
+
+The grid's small training steps and QDoRA at 1024 tokens are host-bound on the GPU machines (``profile_step.py``):
+what DoRA adds there is Python and op dispatch per module, not GPU work. This measures that part on any CPU, so a
+change to the per-forward path can be judged before a device run. A model of ``--modules`` chained
+``Linear(--dim, --dim)`` (plain, or bitsandbytes NF4 with ``--base nf4``) gets LoRA or DoRA (``--rank``) on every
+one; the tensors are small, so the time is the host's. ``--tiers fused`` runs the fused tiers' Python (gates, memos,
+autograd nodes, launch arguments) with every Triton launch replaced by a no-op (``TRITON_INTERPRET=1``, so the
+tiers are chosen as on a GPU; outputs are not computed); ``--tiers eager`` runs the PyTorch tiers. ``--measure
+train`` times a training step (forward under non-reentrant checkpointing unless ``--no-checkpointing``, backward,
+AdamW), ``eval`` an eval forward without autograd. LoRA and DoRA alternate in one process, ``--rounds`` rounds of
+``--calls`` calls; the record keeps each round and the medians in µs per module, DoRA's extra over LoRA's, and the
+tiers DoRA ran.
+
+    python benchmarks/host_eager.py --measure train --tiers fused --out benchmarks/results/profile/host_eager.json
+
+A CPU op costs less host time than a CUDA launch, so the absolute figures are lower than on a GPU machine's host;
+the Python part of DoRA's extra is what carries over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_compiled import Chain  # noqa: E402
+
+
+def _base(args) -> nn.Module:
+    torch.manual_seed(0)
+    model = Chain(0)
+    model.layers = nn.ModuleList(nn.Linear(args.dim, args.dim, bias=args.bias) for _ in range(args.modules))
+    for layer in model.layers:
+        layer.weight.data.normal_(std=args.dim**-0.5)
+    if args.base == "plain":
+        return model.to(args.dtype)
+    import bitsandbytes as bnb
+
+    quantized = []
+    for layer in model.layers:
+        q = bnb.nn.Linear4bit(args.dim, args.dim, bias=args.bias, compute_dtype=args.dtype, quant_type="nf4")
+        q.weight = bnb.nn.Params4bit(layer.weight.data.to(args.dtype), requires_grad=False, quant_type="nf4")
+        if args.bias:
+            q.bias = nn.Parameter(layer.bias.data.to(args.dtype), requires_grad=False)
+        quantized.append(q.to("cpu"))  # quantizes on bitsandbytes' CPU backend
+    model.layers = nn.ModuleList(quantized)
+    model.is_loaded_in_4bit = True
+    return model
+
+
+def build(args, dora: bool) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=args.rank, target_modules=[f"layers.{i}" for i in range(args.modules)], use_dora=dora,
+        init_lora_weights=False,  # B != 0: the norm and gradients are those of a trained adapter
+    )  # fmt: skip
+    model = get_peft_model(_base(args), config)
+    if args.base == "plain":
+        model = model.to(args.dtype)  # adapters in the model's dtype, as the grid's bf16 mode has them
+    return model
+
+
+def _stub_launches() -> None:
+    """Every Triton launch a no-op: the fused tiers' host work without the interpreter's."""
+    from peft.tuners.lora import dora_launch
+
+    dora_launch.Launcher.launch = lambda self, grid, args, meta: None
+
+
+def _step_fn(args, model):
+    if args.measure == "eval":
+        model.eval()
+
+        @torch.no_grad()
+        def forward(x):
+            model(x)
+
+        return forward
+    from torch.utils.checkpoint import checkpoint
+
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+
+    def step(x):
+        y = checkpoint(model, x, use_reentrant=False) if args.checkpointing else model(x)
+        y.float().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def per_module_us(fn, x, calls: int, modules: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(x)
+    return (time.perf_counter() - start) / calls / modules * 1e6
+
+
+def run(args) -> dict:
+    from peft.tuners.lora import dora_dispatch
+
+    if args.tiers == "fused":
+        _stub_launches()
+    torch.set_num_threads(1)
+    fns = {kind: _step_fn(args, build(args, kind == "dora")) for kind in ("lora", "dora")}
+    x = torch.randn(args.tokens, args.dim, dtype=args.dtype, requires_grad=args.measure == "train")
+    for fn in fns.values():  # warm-up: first calls, norm graphs and memos, optimizer state
+        for _ in range(3):
+            fn(x)
+    dora_dispatch.tier_counts.clear()
+    rounds: dict = {"lora": [], "dora": []}
+    for r in range(args.rounds):
+        for kind in ("lora", "dora") if r % 2 == 0 else ("dora", "lora"):
+            rounds[kind].append(round(per_module_us(fns[kind], x, args.calls, args.modules), 2))
+    med = {kind: statistics.median(v) for kind, v in rounds.items()}
+    return {
+        "rounds_us_per_module": rounds,
+        "median_us_per_module": {k: round(v, 2) for k, v in med.items()},
+        "dora_extra_us_per_module": round(med["dora"] - med["lora"], 2),
+        "dora_over_lora": round(med["dora"] / med["lora"], 4),
+        "tiers": dict(dora_dispatch.tier_counts),
+    }
+
+
+def _env() -> dict:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+        rev = rev.stdout.strip() or None
+    except OSError:
+        rev = None
+    return {"torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor(), "rev": rev}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--measure", choices=("train", "eval"), default="train")
+    p.add_argument("--tiers", choices=("fused", "eager"), default="fused")
+    p.add_argument("--base", choices=("plain", "nf4"), default="plain")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="fp32 keeps the CPU's own matmul time small (bf16 matmuls are slow on many CPUs)")  # fmt: skip
+    p.add_argument("--modules", type=int, default=28)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--bias", action="store_true")
+    p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    if args.tiers == "fused":
+        if "peft" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--tiers fused needs TRITON_INTERPRET=1 before peft is imported (run as a script)")
+        os.environ["TRITON_INTERPRET"] = "1"  # read by peft's dora_launch at import: tiers chosen as on a GPU
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            raise SystemExit("--tiers fused needs Triton (pip install triton); --tiers eager runs without") from None
+    else:
+        os.environ.setdefault("PEFT_DORA_FUSED", "0")
+    args.dtype = getattr(torch, args.dtype)
+    result = run(args)
+    config = {k: (str(v).replace("torch.", "") if k == "dtype" else v) for k, v in vars(args).items() if k != "out"}
+    doc = {"kind": "host_eager", "config": config, "env": _env(), **result}
+    print(
+        f"{args.measure} {args.tiers} {args.base}: LoRA {result['median_us_per_module']['lora']} µs/module, DoRA "
+        f"{result['median_us_per_module']['dora']} (+{result['dora_extra_us_per_module']}); tiers {result['tiers']}"
+    )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

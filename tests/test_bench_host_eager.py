@@ -1,0 +1,46 @@
+"""``benchmarks/host_eager.py``, the CPU stand-in for DoRA's host cost per module: it runs the tiers it says it runs
+(the fused tiers' Python with no-op launches, or the PyTorch tiers), on plain and NF4 bases, and writes its record."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from dora_testing import REPO_ROOT
+
+
+def _run(tmp_path, *flags) -> dict:
+    out = tmp_path / "host.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PEFT_DORA_FUSED")}
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "host_eager.py"), "--modules", "3", "--rounds", "2"]
+    done = subprocess.run([*cmd, "--calls", "1", *flags, "--out", str(out)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "host_eager" and len(doc["rounds_us_per_module"]["dora"]) == 2
+    assert all(v > 0 for v in doc["median_us_per_module"].values())
+    assert doc["dora_extra_us_per_module"] == pytest.approx(
+        doc["median_us_per_module"]["dora"] - doc["median_us_per_module"]["lora"], abs=0.02
+    )
+    return doc
+
+
+def test_fused_training_tiers_with_no_op_launches(tmp_path):
+    pytest.importorskip("triton")
+    doc = _run(tmp_path, "--measure", "train", "--tiers", "fused")
+    assert set(doc["tiers"]) == {"fused_backward"}, doc["tiers"]
+
+
+def test_eager_eval_tiers(tmp_path):
+    doc = _run(tmp_path, "--measure", "eval", "--tiers", "eager")
+    assert set(doc["tiers"]) == {"eager"}, doc["tiers"]
+
+
+def test_nf4_base_fused_eval(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("triton")
+    doc = _run(tmp_path, "--measure", "eval", "--tiers", "fused", "--base", "nf4", "--bias")
+    assert doc["config"]["base"] == "nf4" and set(doc["tiers"]) <= {"small_forward", "fused_forward", "decode"}
+    assert sum(doc["tiers"].values()) > 0
