@@ -51,6 +51,16 @@ def per_module_us(fn, x, calls: int, modules: int) -> float:
     return (time.perf_counter() - start) / calls / modules * 1e6
 
 
+def alternate(fns: dict, x, calls: int, modules: int, rounds: int) -> tuple[dict, dict]:
+    """``rounds`` rounds of every function in ``fns``, in alternating order (ABBA...), each the mean µs per module
+    over ``calls`` calls: the rounds and their medians."""
+    out: dict = {name: [] for name in fns}
+    for k in range(rounds):
+        for name in fns if k % 2 == 0 else reversed(list(fns)):
+            out[name].append(round(per_module_us(fns[name], x, calls, modules), 2))
+    return out, {name: statistics.median(values) for name, values in out.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modules", type=int, default=64)
@@ -62,15 +72,11 @@ def main(argv=None) -> int:
 
     x = torch.randn(16, 64)
     compiled = {name: torch.compile(build(dora, args.modules)) for name, dora in (("lora", False), ("dora", True))}
-    rounds = {name: [] for name in compiled}
     with torch.no_grad():
         for fn in compiled.values():
             for _ in range(5):  # compile and warm up
                 fn(x)
-        for k in range(args.rounds):
-            for name in compiled if k % 2 == 0 else reversed(list(compiled)):
-                rounds[name].append(round(per_module_us(compiled[name], x, args.calls, args.modules), 2))
-    medians = {name: statistics.median(values) for name, values in rounds.items()}
+        rounds, medians = alternate(compiled, x, args.calls, args.modules, args.rounds)
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     doc = {
         "what": "compiled eval forward, host time per adapted Linear (us), no autograd, 16x64 input",

@@ -24,10 +24,8 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,7 +33,7 @@ from torch import nn
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_compiled import Chain  # noqa: E402
+from host_compiled import Chain, alternate  # noqa: E402
 
 
 def _base(args) -> nn.Module:
@@ -103,13 +101,6 @@ def _step_fn(args, model):
     return step
 
 
-def per_module_us(fn, x, calls: int, modules: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn(x)
-    return (time.perf_counter() - start) / calls / modules * 1e6
-
-
 def run(args) -> dict:
     from peft.tuners.lora import dora_dispatch
 
@@ -122,11 +113,7 @@ def run(args) -> dict:
         for _ in range(3):
             fn(x)
     dora_dispatch.tier_counts.clear()
-    rounds: dict = {"lora": [], "dora": []}
-    for r in range(args.rounds):
-        for kind in ("lora", "dora") if r % 2 == 0 else ("dora", "lora"):
-            rounds[kind].append(round(per_module_us(fns[kind], x, args.calls, args.modules), 2))
-    med = {kind: statistics.median(v) for kind, v in rounds.items()}
+    rounds, med = alternate(fns, x, args.calls, args.modules, args.rounds)
     return {
         "rounds_us_per_module": rounds,
         "median_us_per_module": {k: round(v, 2) for k, v in med.items()},
