@@ -52,6 +52,7 @@ def _base(args) -> nn.Module:
         q.weight = bnb.nn.Params4bit(layer.weight.data.to(args.dtype), requires_grad=False, quant_type="nf4")
         if args.bias:
             q.bias = nn.Parameter(layer.bias.data.to(args.dtype), requires_grad=False)
+        q.support_avx512bf16_for_cpu = False  # the GPU's layout and kernels' path, on any CPU (no CPU repacking)
         quantized.append(q.to("cpu"))  # quantizes on bitsandbytes' CPU backend
     model.layers = nn.ModuleList(quantized)
     model.is_loaded_in_4bit = True

@@ -293,6 +293,7 @@ def quantize_layer(layer, kind: str, device, dtype: torch.dtype = torch.bfloat16
                                          compress_statistics=nested, quant_storage=dtype, module=q)  # fmt: skip
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            q.support_avx512bf16_for_cpu = False  # no in-place CPU repacking (FSDP2 shards the standard layout)
             setattr(parent, name, q.to(device))
 
 

@@ -121,6 +121,9 @@ def bnb_linear(kind: str, d_in: int, d_out: int, bias: bool = False, seed: int =
                                   compress_statistics=nested)  # fmt: skip
         layer.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, quant_type=kind,
                                          compress_statistics=nested)  # fmt: skip
+        # the same layout on every CPU: bitsandbytes repacks 4-bit weights in place in CPU inference where the CPU has
+        # AVX512-BF16 (test_dora_quant.py's cpu_repacked tests), and only for d_out a multiple of 32
+        layer.support_avx512bf16_for_cpu = False
     if bias:
         layer.bias = nn.Parameter(dense.bias.data.float(), requires_grad=False)
     return layer.to(device)

@@ -72,13 +72,12 @@ class QuantizedWeight:
     is replaced or written.
     """
 
-    __slots__ = ("param", "kind", "shape", "dtype", "device", "sources", "keys", "versions", "_scales")
+    __slots__ = ("param", "kind", "shape", "dtype", "device", "sources", "keys", "versions")
 
     def __init__(self, layer: nn.Module, param: torch.Tensor, kind: str):
         with torch._C.DisableTorchFunctionSubclass():  # Params4bit's Python __torch_function__: a call per read
             device = param.device
         self.param, self.kind, self.device = param, kind, device
-        self._scales = None
         if kind == "4bit":
             state = param.quant_state
             if state is None:
@@ -87,8 +86,12 @@ class QuantizedWeight:
                     "model to the GPU (or load it with a BitsAndBytesConfig) before the forward"
                 )
             self.shape = torch.Size(state.shape)
-            self.dtype = state.dtype
+            # bitsandbytes' CPU inference on AVX512-BF16 repacks the weight in place (``packing_format_for_cpu``);
+            # its dtype then says bf16, the dtype it had before is the one the rows dequantize into
+            self.dtype = state.original_dtype if _cpu_packed(state) else state.dtype
             self.sources = (param, state.absmax)
+            if state.nested:  # double quantization: the scales' own scales and code are read too
+                self.sources += (state.state2.absmax, state.state2.code)
         else:
             scb = _int8_scales(layer, param)
             self.shape, self.dtype = param.shape, torch.float32
@@ -117,45 +120,79 @@ class QuantizedWeight:
         rows = max(step, (budget // row_bytes) // step * step)
         return min(rows, self.shape[0]) if self.shape[0] else 1
 
-    def rows(self, start: int, stop: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def rows(self, start: int, stop: int, storage: Optional[tuple] = None) -> tuple:
         """``(values, scale)`` of rows ``start:stop``: ``W[start:stop] = values · scale[:, None]`` (``scale`` None:
-        ``values`` are the rows). 4-bit: the rows dequantized into the state's dtype; 8-bit: the int8 values as
-        bf16 (exact: |v| ≤ 127) or fp32 off CUDA, and their fp32 row scales SCB / 127."""
+        ``values`` are the rows). 4-bit: the rows dequantized into :attr:`dtype` (``storage``: :meth:`storage`, taken
+        once per pass over the rows); 8-bit: the int8 values as bf16 (exact: |v| ≤ 127) or fp32 off CUDA, and their
+        fp32 row scales SCB / 127."""
         if self.kind == "4bit":
-            state = self.param.quant_state
-            d_in, block = self.shape[1], state.blocksize
+            block, quant_type = self.param.quant_state.blocksize, self.param.quant_state.quant_type
+            d_in = self.shape[1]
             e0, e1 = start * d_in, stop * d_in
-            packed = self.param.data.reshape(-1).view(torch.uint8)  # FSDP's quant_storage may be another dtype
-            absmax = self._absmax()
+            packed, absmax = self.storage() if storage is None else storage
             values = torch.ops.bitsandbytes.dequantize_4bit.default(
-                packed[e0 // 2 : (e1 + 1) // 2], absmax[e0 // block : -(-e1 // block)], block, state.quant_type,
-                [stop - start, d_in], state.dtype,
+                packed[e0 // 2 : (e1 + 1) // 2], absmax[e0 // block : -(-e1 // block)], block, quant_type,
+                [stop - start, d_in], self.dtype,
             )  # fmt: skip
             return values, None
         values = self.param.data[start:stop]
         half = torch.bfloat16 if values.is_cuda else torch.float32
         return values.to(half), self.sources[1][start:stop].float() * _INT8_SCALE
 
-    def _absmax(self) -> torch.Tensor:
-        """The 4-bit blocks' fp32 scales (nested ones dequantized once per norm)."""
-        if self._scales is None:
-            state = self.param.quant_state
-            absmax = state.absmax
-            if state.nested:
-                import bitsandbytes as bnb
+    def storage(self) -> Optional[tuple]:
+        """4-bit: ``(packed, scales)``, the packed codes as flat bytes in bitsandbytes' standard order and the blocks'
+        fp32 scales, nested ones dequantized; None for 8-bit. Computed afresh in every call, never kept on this object:
+        a norm CUDA graph (``dora_graph``) runs its computation once before capturing it and must capture every step
+        from the layer's own tensors, or its replays read a buffer freed with the ``QuantizedWeight`` of the forward
+        that captured it."""
+        if self.kind != "4bit":
+            return None
+        state = self.param.quant_state
+        if _cpu_packed(state):
+            return _standard_storage(self.param, state)
+        absmax = state.absmax
+        if state.nested:
+            import bitsandbytes as bnb
 
-                absmax = bnb.functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
-            self._scales = absmax.float()
-        return self._scales
+            absmax = bnb.functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
+        return self.param.data.reshape(-1).view(torch.uint8), absmax.float()  # FSDP's quant_storage: another dtype
 
     def dequantize(self) -> torch.Tensor:
         """The whole dequantized weight, as upstream's ``dequantize_bnb_weight`` computes it (a transient of the
         dropout path's base GEMM, see :func:`base_output`; never kept, never taken by the norm)."""
         if self.kind == "4bit":
+            if _cpu_packed(self.param.quant_state):
+                return self.rows(0, self.shape[0])[0]
             import bitsandbytes as bnb
 
             return bnb.functional.dequantize_4bit(self.param.data, self.param.quant_state)
         return self.param.data.float() * self.sources[1].view(-1, 1).float() * _INT8_SCALE
+
+
+def _cpu_packed(state) -> bool:
+    """Whether bitsandbytes repacked this 4-bit weight for its AVX512-BF16 CPU kernel (done in place by
+    ``Linear4bit.forward`` in inference on such a CPU): other byte order, bf16 scales laid out ``[blocks, d_out]``."""
+    return bool(getattr(state, "packing_format_for_cpu", False))
+
+
+def _standard_storage(param: torch.Tensor, state) -> tuple:
+    """``(packed, scales)`` of a CPU-repacked 4-bit weight in the standard order, from bitsandbytes' own inverse of
+    the repacking applied to a copy of the state (the layer's weight and state stay as they are). The scales are the
+    bf16 ones its kernel computes with, not requantized."""
+    import copy
+
+    try:
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse as inverse
+    except ImportError as err:  # the pinned bitsandbytes has it
+        raise RuntimeError(
+            "DoRA on a bitsandbytes 4-bit layer repacked for CPU inference (packing_format_for_cpu): this "
+            f"bitsandbytes has no inverse of that packing to read the weight with ({err}); use the pinned "
+            "bitsandbytes or run the model on a GPU"
+        ) from err
+    view = copy.copy(state)
+    view.original_nested = False  # keep the bf16 scales as they are (the inverse would quantize them again)
+    codes, _ = inverse(param.data, view)
+    return codes.reshape(-1).view(torch.uint8), state.absmax.T.reshape(-1).float()
 
 
 def _int8_scales(layer: nn.Module, param: torch.Tensor) -> torch.Tensor:
@@ -184,10 +221,10 @@ def row_sq_norm(weight: QuantizedWeight) -> torch.Tensor:
     """``‖W‖²`` per row in fp32, one chunk of dequantized rows at a time."""
     d_out = weight.shape[0]
     out = torch.empty(d_out, dtype=torch.float32, device=weight.device)
-    step = weight.chunk_rows()
+    step, storage = weight.chunk_rows(), weight.storage()
     for start in range(0, d_out, step):
         stop = min(d_out, start + step)
-        values, scale = weight.rows(start, stop)
+        values, scale = weight.rows(start, stop, storage)
         sq = torch.linalg.vector_norm(values, dim=1, dtype=torch.float32).square()
         out[start:stop] = sq if scale is None else sq * scale.square()
     return out
@@ -210,10 +247,10 @@ def row_norm(
             return w_sq.sqrt()
         a_t = lora_A.to(weight.device, acc).T
         u = torch.empty(d_out, r, dtype=acc, device=weight.device)
-        step, operand = weight.chunk_rows(), None
+        step, operand, storage = weight.chunk_rows(), None, weight.storage()
         for start in range(0, d_out, step):
             stop = min(d_out, start + step)
-            values, row_scale = weight.rows(start, stop)
+            values, row_scale = weight.rows(start, stop, storage)
             if operand is None:  # Aᵀ as every chunk's GEMM takes it, made once; split as in dora_norm's factored norm
                 split = torch.finfo(lora_A.dtype).bits > torch.finfo(values.dtype).bits
                 operand = acc_operand(values, a_t, acc, split)

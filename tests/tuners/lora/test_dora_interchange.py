@@ -64,6 +64,7 @@ def build_base(kind):
         layer = bnb.nn.Linear4bit(16, 24, bias=True, compute_dtype=torch.bfloat16, quant_type="nf4")
         layer.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, quant_type="nf4")
         layer.bias = nn.Parameter(dense.bias.data.float(), requires_grad=False)
+        layer.support_avx512bf16_for_cpu = False  # as on every CPU (bitsandbytes' repacking wants 32 | d_out)
         net = Net(layer.to("cpu"), 24)
         net.is_loaded_in_4bit = True  # how PEFT learns to dispatch to its bitsandbytes LoRA layer
         return net, torch.randn(3, 7, 16)

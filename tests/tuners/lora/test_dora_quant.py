@@ -81,6 +81,79 @@ def test_chunked_norm_matches_dense_norm_of_upstream_dequantization(kind, d_in, 
         dora_quant.row_norm(weight, lora_A[:, :-1], lora_B, 1.5)
 
 
+def test_quantized_weight_keeps_no_scales_between_norms():
+    """Every norm of a :class:`QuantizedWeight` reads the layer's current quantization state: nothing is kept on the
+    object from one computation to the next. A norm CUDA graph runs its computation once before capturing it, and
+    NF4's nested scales kept from that run were read by every replay from a buffer freed with the forward's
+    ``QuantizedWeight`` (training on one GPU drifted from the eager norm's losses once the allocator reused it). The
+    nested state's tensors are among the sources that key the norm's memos and graphs."""
+    layer = bnb_linear("nf4", 128, 72)
+    state = layer.weight.quant_state
+    assert state.nested
+    weight = dora_quant.quantized_weight(layer)
+    torch.manual_seed(0)
+    lora_A, lora_B = torch.randn(8, 128) * 0.1, torch.randn(72, 8) * 0.1
+    first = dora_quant.row_norm(weight, lora_A, lora_B, 1.5)
+    state.state2.absmax.mul_(3)  # the block scales' spread around their mean triples
+    again = dora_quant.row_norm(weight, lora_A, lora_B, 1.5)
+    fresh = dora_quant.row_norm(dora_quant.quantized_weight(layer), lora_A, lora_B, 1.5)
+    torch.testing.assert_close(again, fresh, atol=0, rtol=0)
+    assert (again - first).abs().max() > 1e-3 * first.abs().max()
+    expected_sq = dora_quant.row_sq_norm(dora_quant.quantized_weight(layer))
+    torch.testing.assert_close(dora_quant.row_sq_norm(weight), expected_sq)
+    assert {id(state.state2.absmax), id(state.state2.code)} <= {id(t) for t in weight.sources}
+
+
+def _repack_for_cpu(layer) -> None:
+    """What ``Linear4bit.forward`` does to its weight in CPU inference on an AVX512-BF16 CPU (in place)."""
+    weight = layer.weight
+    weight.data, weight.quant_state = bnb.functional._convert_weight_packed_for_cpu(weight.data, weight.quant_state)
+    assert weight.quant_state.packing_format_for_cpu
+
+
+@pytest.mark.parametrize("kind", ("nf4", "fp4"))
+def test_cpu_repacked_weight_reads_as_its_kernel_computes(kind):
+    """bitsandbytes repacks a 4-bit weight in place for its CPU kernel (other byte order, the block scales rounded
+    to bf16 and transposed): the norm reads it as that kernel computes with it, the rows of the standard layout with
+    bf16-rounded scales, bit for bit (read as the standard layout, it would be other numbers altogether)."""
+    layer = bnb_linear(kind, 128, 96)
+    before = dora_quant.quantized_weight(layer)
+    packed, scales = before.storage()
+    state = layer.weight.quant_state
+    expected = torch.ops.bitsandbytes.dequantize_4bit.default(
+        packed, scales.bfloat16().float(), state.blocksize, state.quant_type, [96, 128], before.dtype
+    )
+    torch.manual_seed(0)
+    lora_A, lora_B = torch.randn(8, 128) * 0.1, torch.randn(96, 8) * 0.1
+    _repack_for_cpu(layer)
+    after = dora_quant.quantized_weight(layer)
+    assert after.dtype == before.dtype and after.shape == before.shape
+    assert torch.equal(after.dequantize(), expected)
+    assert not torch.equal(layer.weight.data.reshape(-1).view(torch.uint8), packed)  # other bytes: read as before?
+    norm = dora.factored_row_norm(expected.float(), lora_A, lora_B, 1.5)
+    torch.testing.assert_close(dora_quant.row_norm(after, lora_A, lora_B, 1.5), norm, atol=0, rtol=2e-6)
+    torch.testing.assert_close(dora_quant.row_sq_norm(after), expected.float().square().sum(1), atol=0, rtol=2e-6)
+
+
+@pytest.mark.skipif(not bnb.functional.has_avx512bf16(), reason="bitsandbytes repacks only on AVX512-BF16 CPUs")
+def test_cpu_repacked_model_infers_as_before():
+    """Eval on an AVX512-BF16 CPU: bitsandbytes' forward repacks the weights at the first call; the DoRA output
+    then is the one from before the repacking up to its bf16-rounded scales."""
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["up", "down"], use_dora=True, init_lora_weights=False)
+    torch.manual_seed(3)
+    # within bitsandbytes' limits for the repacking: 32 | d_out and 64 | d_in
+    model = perturb_magnitudes(get_peft_model(BnbNet("nf4", dims=(64, 128, 64)), config)).eval()
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        before = model(x)
+        for layer in (model.base_model.model.up.base_layer, model.base_model.model.down.base_layer):
+            layer.support_avx512bf16_for_cpu = True
+        after = model(x)
+        assert model.base_model.model.up.base_layer.weight.quant_state.packing_format_for_cpu
+        torch.testing.assert_close(after, before, rtol=2e-2, atol=2e-2)
+        assert torch.equal(model(x), after)
+
+
 def test_quantized_weight_needs_a_quantized_layer():
     layer = bnb.nn.Linear4bit(64, 32, compute_dtype=torch.bfloat16, quant_type="nf4")  # not quantized until .to()
     layer.weight.quant_state = None

@@ -169,11 +169,28 @@ def test_training_step_does_not_wait_for_the_gpu(kind, checkpoint):
         opt.zero_grad()
 
 
+def _poison_free_blocks(count: int = 64) -> list:
+    """NaN in the blocks the caching allocator has free on the norm graphs' capture stream (where a capture's warm-up
+    run allocates), of the sizes the norms' temporaries have here: a replay that reads a buffer freed after its capture
+    then reads NaN. The tensors are freed again on return, NaN still in them."""
+    from peft.tuners.lora import dora_graph
+
+    stream = dora_graph._streams.get(torch.cuda.current_device())
+    if stream is None:
+        return []
+    with torch.cuda.stream(stream):
+        poison = [torch.full((n,), float("nan"), device="cuda") for n in (8192, 16384, 512, 1024) for _ in range(count)]
+    torch.cuda.current_stream().wait_stream(stream)
+    return poison
+
+
 @pytest.mark.parametrize("kind", ("nf4", "int8"))
 def test_quantized_norm_graph_follows_optimizer_steps(kind):
     """The chunked quantized norm is captured as a CUDA graph in training and replayed; it reads the adapters'
     current values: after every optimizer step the replayed norm equals a fresh eager one, and differs from the norm
-    before the step by far more than the tolerance (a stale replay would fail)."""
+    before the step by far more than the tolerance (a stale replay would fail). The replays read nothing freed since
+    their capture: the allocator's free blocks are filled with NaN before each (NF4's nested scales, kept from the
+    capture's warm-up run, were once read from such a block)."""
     from peft.tuners.lora.dora import _forward_weight
     from peft.tuners.lora.dora_graph import graph_counts
 
@@ -192,6 +209,7 @@ def test_quantized_norm_graph_follows_optimizer_steps(kind):
         loss.backward()
         opt.step()
         opt.zero_grad()
+        _poison_free_blocks()
         weight = _forward_weight(lora_layer.base_layer)
         replayed = layer._fresh_norm(weight, lora_A, lora_B, scaling, "default")
         eager = dora_quant.row_norm(weight, lora_A, lora_B, scaling)
