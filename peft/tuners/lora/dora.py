@@ -302,6 +302,12 @@ class DoraLinearLayer(nn.Module):
         if factors is not None and gates.small(lora, result):
             # y = g·(result + s·lora) (+ (1 − g)·bias): two (three) in-place ops on the fresh LoRA output, the first
             # with the scalar s (a third cheaper on the host than two ops with [d_out] factors), in fp32, rounded once
+            if result.dtype == torch.float16:  # result + s·lora may leave fp16's range where g·(·) does not
+                out = result.float().add_(lora, alpha=float(scaling)).mul_(factors[1])
+                if bias is not None:
+                    out.add_(factors[2])
+                record(self, TIER_SMALL_FORWARD)
+                return out.to(torch.promote_types(result.dtype, lora.dtype))
             into = lora if lora.dtype == result.dtype else None  # a wider result: a new buffer of its dtype
             out = torch.add(result, lora, alpha=float(scaling), out=into).mul_(factors[1])
             if bias is not None:
@@ -379,6 +385,19 @@ class DoraLinearLayer(nn.Module):
             operands = self._norm_operands(weight, lora_A, lora_B)
             if operands is not None:
                 return compiled_weight_norm(self, *operands, scaling)
+        caching = ENABLE_DORA_CACHING and not self.training and adapter_name is not None
+        if caching:  # DoraCaching: the first cached eval forward's norm, until train() (upstream's semantics)
+            cached = self._cache_get(f"weight-norm-{adapter_name}", None)
+            if cached is not None:
+                return cached
+            norm = self._forward_norm_kept(weight, lora_A, lora_B, scaling, adapter_name)
+            self._cache_store(f"weight-norm-{adapter_name}", norm)  # also where a kept norm answered, not computed
+            return norm
+        return self._forward_norm_kept(weight, lora_A, lora_B, scaling, adapter_name)
+
+    def _forward_norm_kept(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
+        """:meth:`_forward_norm` outside torch.compile and ``DoraCaching``'s cache: the kept norm while W, A, B and s
+        provably hold (sharded under FSDP2), else a fresh one."""
         if type(self) is DoraLinearLayer and not (self.fan_in_fan_out or ENABLE_DORA_CACHING):
             shards = dora_dist.norm_shards(weight, lora_A, lora_B)
             if shards is not None:

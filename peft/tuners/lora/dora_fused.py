@@ -392,11 +392,24 @@ def _scale_factors(g: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
     return g.to(dtype), (g - 1).to(dtype)
 
 
+def inner_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``inner = s·lora + base`` is kept in for the magnitude's gradient: fp32 for fp16 activations, whose
+    range ``s·lora`` can leave while ``g·(s·lora)`` stays in it (``g`` divides by ``‖W + s·B·A‖``); else theirs."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def compose_torch(
     lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor, scale: float, inplace: bool = False
 ) -> torch.Tensor:
-    """(g - 1) * base + g * (s * lora), in the promoted dtype of lora and base; in place into lora if asked."""
+    """(g - 1) * base + g * (s * lora), in the promoted dtype of lora and base; in place into lora if asked. fp16
+    activations are composed in fp32 and rounded once, as the Triton kernels do: ``s·lora`` may overflow fp16 where
+    the output does not."""
     dtype = torch.promote_types(lora.dtype, base.dtype)
+    if dtype == torch.float16:
+        out = _compose_wide(lora, base, g, scale)
+        if inplace and lora.dtype == dtype and out.shape == lora.shape:
+            return lora.copy_(out)
+        return out.to(dtype)
     g_c, gm1 = _scale_factors(g, dtype)
     if inplace and lora.dtype == dtype and broadcasts_to(lora.shape, base.shape, g.shape):
         # t2 + t1 == t1 + t2 bitwise, so this equals the out-of-place form below.
@@ -404,10 +417,21 @@ def compose_torch(
     return gm1 * base + g_c * (scale * lora)
 
 
+def _compose_wide(lora, base, g, scale, inner: bool = False):
+    """:func:`compose_torch`'s terms in fp32 (or g's wider dtype), not rounded: the output, and ``inner`` if asked."""
+    acc = torch.promote_types(g.dtype, torch.float32)
+    scaled, base = scale * lora.to(acc), base.to(acc)
+    out = (g - 1).to(acc) * base + g.to(acc) * scaled
+    return (out, scaled + base) if inner else out
+
+
 def _forward_and_inner_torch(
     lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = torch.promote_types(lora.dtype, base.dtype)
+    if dtype == torch.float16:
+        out, inner = _compose_wide(lora, base, g, scale, inner=True)
+        return out.to(dtype), inner.to(inner_dtype(dtype))
     g_c, gm1 = _scale_factors(g, dtype)
     scaled = scale * lora
     out = gm1 * base + g_c * scaled
@@ -425,7 +449,10 @@ def _backward_torch(
     needs_mag_grad: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     g_c, gm1 = _scale_factors(g, d_out.dtype)
-    d_lora = g_c * (scale * d_out) if needs_lora_grad else None
+    d_lora = None
+    if needs_lora_grad:  # fp16 in fp32 and rounded once (s·d_out may leave fp16's range where g·s·d_out does not)
+        wide = d_out.dtype == torch.float16
+        d_lora = (g * (scale * d_out.float())).to(d_out.dtype) if wide else g_c * (scale * d_out)
     d_base = gm1 * d_out if needs_base_grad else None
     d_mag = None
     if needs_mag_grad:
@@ -552,7 +579,7 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
         out = _output_buffer(result, lora)
         inner = None
         if needs_mag and not from_output:
-            inner = torch.empty_like(out, memory_format=_CONTIGUOUS)
+            inner = torch.empty_like(out, dtype=inner_dtype(out.dtype), memory_format=_CONTIGUOUS)
         if lora.numel() > 0:
             _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, out, inner, strides)
         if out is lora:
@@ -614,7 +641,9 @@ class FusedDoRALinearFunction(torch.autograd.Function):
         needs_mag = ctx.needs_input_grad[3]
         from_output = needs_mag and output_saves_itself(magnitude, known)
         out = _output_buffer(result, lora)
-        inner = torch.empty_like(out, memory_format=_CONTIGUOUS) if needs_mag and not from_output else None
+        inner = None
+        if needs_mag and not from_output:
+            inner = torch.empty_like(out, dtype=inner_dtype(out.dtype), memory_format=_CONTIGUOUS)
         if lora.numel() > 0:
             strides = (stride, lora.shape[-1])  # F.linear's output is contiguous
             _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, out, inner, strides)
@@ -805,12 +834,13 @@ def _output_buffer(result: torch.Tensor, lora: torch.Tensor) -> torch.Tensor:
 def fused_dora_forward_and_inner(
     lora: torch.Tensor, base: torch.Tensor, mag_norm_scale: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(out, inner)`` with ``out`` as in :func:`fused_dora_compose` and ``inner = scale * lora + base``."""
+    """Return ``(out, inner)`` with ``out`` as in :func:`fused_dora_compose` and ``inner = scale * lora + base``
+    (fp32 for fp16 activations: :func:`inner_dtype`)."""
     layout = compose_layout(lora, base, mag_norm_scale) if kernels_available(lora) else None
     if layout is None or torch.compiler.is_compiling():
         return _forward_and_inner_torch(lora, base, mag_norm_scale, scale)
     out = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device)
-    inner = torch.empty(lora.shape, dtype=lora.dtype, device=lora.device)
+    inner = torch.empty(lora.shape, dtype=inner_dtype(lora.dtype), device=lora.device)
     if lora.numel() == 0:
         return out, inner
     _compose_triton(lora, base, mag_norm_scale, scale, out, inner, strides=layout)

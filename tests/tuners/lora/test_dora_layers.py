@@ -141,6 +141,36 @@ def test_dora_caching(kind, dora_env):
             assert not any(caches(model))
 
 
+@pytest.mark.parametrize("kind", ["linear", "embedding", "conv2d"])
+def test_dora_caching_keeps_its_first_norm_as_upstream_after_plain_eval_forwards(kind):
+    """With our eval reuse on (the default), an eval forward before ``DoraCaching`` keeps a norm; the first cached
+    forward then found it and stored nothing in ``_dora_cache``, so after an in-place edit of B ours served the edited
+    weights' norm where upstream's cache serves the first one until ``train()``: the same calls, other outputs."""
+    from dora_testing import upstream_modules
+
+    up_dora, _ = upstream_modules()
+    model = build(kind, bias=True, dropout=0.0).eval()
+    theirs = to_upstream(model)
+    x = inputs_for(model, kind, torch.float32)
+    with torch.no_grad():
+        assert_close(model(*x), theirs(*x))  # plain eval forwards: ours keeps the norm
+        up_dora.ENABLE_DORA_CACHING = True  # the oracle's own switch (DoraCaching sets ours)
+        try:
+            with DoraCaching():
+                assert_close(model(*x), theirs(*x))
+                assert all(caches(model))
+                for m in (model, theirs):
+                    for name, p in m.named_parameters():
+                        if "lora_B" in name or "lora_embedding_B" in name:
+                            p.mul_(1.7)
+                edited_ours, edited_theirs = model(*x), theirs(*x)
+        finally:
+            up_dora.ENABLE_DORA_CACHING = False
+        assert_close(edited_ours, edited_theirs)
+        fresh = to_upstream(model)(*x)  # no cache: the edited weights' own norm
+        assert (edited_ours - fresh).abs().max() > 1e-3  # the cached norm is the first one: it shows
+
+
 def test_state_dict_keys_and_shapes_match_upstream():
     for kind in ["linear", "gpt2_conv1d", "embedding", "conv2d", "conv1d", "conv3d"]:
         model = build(kind, bias=True, dropout=0.0)

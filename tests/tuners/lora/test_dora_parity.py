@@ -304,3 +304,59 @@ def test_autocast_mode_is_at_least_as_accurate_as_upstream(kind, dropout):
         assert grads_o[name].dtype == grads_u[name].dtype == torch.float32 or "lora_" not in name
         ref = grads_r[name]
         assert max_err(grads_o[name], ref) <= 2 * max_err(grads_u[name], ref) + atol * ref.abs().max().item(), name
+
+
+@pytest.mark.parametrize("zero", (False, True), ids=("m_nonzero", "m_with_a_zero"))
+@pytest.mark.parametrize("setup", ("fp16_model", "fp16_base_autocast"))
+def test_fp16_branch_beyond_its_range_matches_upstream(setup, zero):
+    """A LoRA branch whose ``s·lora`` leaves fp16's range (here ~8.2e4) while the output ``g·(W·x + s·B·A·x)`` does
+    not (g divides by the large ‖W + s·B·A‖): upstream multiplies by g first in fp32 and stays finite; ours formed
+    ``s·lora`` (and, with a zero in m, the saved ``inner = base + s·lora``) in fp16 and returned inf, or an inf
+    magnitude gradient. Outputs and gradients in training and eval (a second eval forward reuses the factors) match
+    upstream's and an fp64 reference, on the eager tiers and, under the interpreter, the fused ones."""
+    torch.manual_seed(0)
+    config = LoraConfig(target_modules=["0"], r=1, lora_alpha=256, use_dora=True, init_lora_weights=False)
+    if setup == "fp16_model":
+        model = get_peft_model(nn.Sequential(nn.Linear(16, 8)), config).half()
+    else:
+        model = get_peft_model(nn.Sequential(nn.Linear(16, 8).half()), config)  # PEFT keeps adapters fp32
+    layer = model.base_model.model[0]
+    with torch.no_grad():
+        layer.lora_A["default"].weight.fill_(1.0)
+        layer.lora_B["default"].weight.fill_(20.0)  # x·Aᵀ = 16 for x = 1: lora = 320, s·lora ≈ 8.2e4
+        layer.lora_magnitude_vector["default"].weight.fill_(1.0)
+        if zero:
+            layer.lora_magnitude_vector["default"].weight[-1] = 0.0
+    theirs = to_upstream(model)
+    x = torch.ones(2, 16, dtype=torch.float16)
+    # fp64 reference, the norm a constant for autograd (as in both implementations)
+    w = layer.base_layer.weight.double()
+    params = (
+        layer.lora_A["default"].weight,
+        layer.lora_B["default"].weight,
+        layer.lora_magnitude_vector["default"].weight,
+    )
+    a, b, m = (t.detach().double().requires_grad_() for t in params)
+    v = w + layer.scaling["default"] * b @ a
+    ref = x.double() @ (m[:, None] * v / v.norm(dim=1, keepdim=True).detach()).T + layer.base_layer.bias.double()
+    ref.sum().backward()
+    ref_grads = {"lora_A": a.grad, "lora_B": b.grad, "lora_magnitude_vector": m.grad}
+    autocast = setup == "fp16_base_autocast"
+    for train in (True, False, False):
+        outs = []
+        for net in (model, theirs):
+            net.train(train)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=autocast), torch.set_grad_enabled(train):
+                y = net(x)
+            outs.append(y.detach().float())
+            if train and net is model:
+                y.float().sum().backward()
+                grads = {n: p.grad.double() for n, p in net.named_parameters() if p.requires_grad}
+                net.zero_grad()
+        assert torch.isfinite(outs[0]).all(), (train, outs[0])
+        torch.testing.assert_close(outs[0], outs[1], rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(outs[0].double(), ref.detach(), rtol=4e-3, atol=4e-3)
+        if train:  # against the reference: upstream's own magnitude gradient is inf in the fp16 model
+            for name, grad in grads.items():
+                expected = next(g for key, g in ref_grads.items() if key in name)
+                torch.testing.assert_close(grad, expected, rtol=4e-3, atol=4e-3 * expected.abs().max(), msg=name)
