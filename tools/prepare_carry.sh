@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Fill .carry-bench/ (git-ignored; pass it as `carry` to the device tool) with what the GPU machine cannot fetch:
+# our wheel built from this tree, the pinned upstream wheel, DeepSpeed and bitsandbytes with their pure-Python or
+# Python 3.12 dependencies (the GPU machine's python3 is 3.12), and setup.sh, which installs them there.
+#
+#   bash tools/prepare_carry.sh            # here, in the repository root, with the dev venv active
+#   . .carry-bench/setup.sh                # there, first in every device command
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CB=.carry-bench
+mkdir -p "$CB"
+rm -f "$CB"/peft-0.21.2+dora*.whl
+python -m pip wheel -q --no-deps --no-build-isolation -w "$CB" .
+cp "$(python tools/upstream.py wheel)" "$CB"/
+DS_BUILD_OPS=0 python -m pip wheel -q --no-deps -w "$CB" deepspeed==0.19.8 hjson py-cpuinfo ninja einops pydantic \
+    annotated_types typing_inspection
+python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$CB" \
+    --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 msgpack "pydantic_core==$(
+    python -c 'import pydantic_core; print(pydantic_core.__version__)' 2>/dev/null || echo 2.50.5)" bitsandbytes==0.50.2
+cat > "$CB/setup.sh" <<'SETUP'
+# source me on the GPU machine, in the repository root: ours into /tmp/ours (first on PYTHONPATH), upstream into
+# /tmp/upstream, DeepSpeed and bitsandbytes into python3's site-packages; NVLink multicast stays off.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+CB=$PWD/.carry-bench
+python3 -m pip install -q --no-deps --no-index --target /tmp/ours "$CB"/peft-0.21.2+dora*.whl >/dev/null 2>&1
+python3 -m pip install -q --no-deps --no-index --target /tmp/upstream "$CB"/peft-0.21.2-py3-none-any.whl >/dev/null 2>&1
+python3 -m pip install -q --no-deps --no-index "$CB"/bitsandbytes-*.whl "$CB"/deepspeed-*.whl "$CB"/hjson-*.whl \
+    "$CB"/msgpack-*.whl "$CB"/py_cpuinfo-*.whl "$CB"/ninja-*.whl "$CB"/einops-*.whl 2>&1 | tail -2
+python3 -c "import pydantic" 2>/dev/null || python3 -m pip install -q --no-deps --no-index "$CB"/pydantic-*.whl \
+    "$CB"/pydantic_core-*.whl "$CB"/annotated_types-*.whl "$CB"/typing_inspection-*.whl 2>&1 | tail -2
+PEFT_UPSTREAM_WHEEL=$(ls "$CB"/peft-0.21.2-py3-none-any.whl)
+export PEFT_UPSTREAM_WHEEL PEFT_OURS=/tmp/ours PEFT_UPSTREAM=/tmp/upstream
+export PYTHONPATH=/tmp/ours${PYTHONPATH:+:$PYTHONPATH}
+python3 -c "import peft, torch; print('peft', peft.__version__, peft.__file__, 'torch', torch.__version__, torch.cuda.device_count(), 'gpus')"
+SETUP
+ls "$CB"
