@@ -392,46 +392,37 @@ def _scale_factors(g: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
     return g.to(dtype), (g - 1).to(dtype)
 
 
-def inner_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype ``inner = s·lora + base`` is kept in for the magnitude's gradient: fp32 for fp16 activations, whose
-    range ``s·lora`` can leave while ``g·(s·lora)`` stays in it (``g`` divides by ``‖W + s·B·A‖``); else theirs."""
-    return torch.float32 if dtype == torch.float16 else dtype
-
-
 def compose_torch(
     lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor, scale: float, inplace: bool = False
 ) -> torch.Tensor:
-    """(g - 1) * base + g * (s * lora), in the promoted dtype of lora and base; in place into lora if asked. fp16
-    activations are composed in fp32 and rounded once, as the Triton kernels do: ``s·lora`` may overflow fp16 where
-    the output does not."""
+    """(g - 1) * base + g * (s * lora), in the promoted dtype of lora and base; in place into lora if asked. With fp16
+    activations the branch is ``(g·s)·lora``, ``g·s`` formed in g's precision: ``s·lora`` may leave fp16's range where
+    ``g·(s·lora)`` does not (g divides by ``‖W + s·B·A‖``), and no wider temporary is made for autograd to keep."""
     dtype = torch.promote_types(lora.dtype, base.dtype)
-    if dtype == torch.float16:
-        out = _compose_wide(lora, base, g, scale)
-        if inplace and lora.dtype == dtype and out.shape == lora.shape:
-            return lora.copy_(out)
-        return out.to(dtype)
     g_c, gm1 = _scale_factors(g, dtype)
+    if dtype == torch.float16:
+        gs = (g * scale).to(dtype)
+        if inplace and lora.dtype == dtype and broadcasts_to(lora.shape, base.shape, g.shape):
+            return lora.mul_(gs).add_(gm1 * base)
+        return gm1 * base + gs * lora
     if inplace and lora.dtype == dtype and broadcasts_to(lora.shape, base.shape, g.shape):
         # t2 + t1 == t1 + t2 bitwise, so this equals the out-of-place form below.
         return lora.mul_(scale).mul_(g_c).add_(gm1 * base)
     return gm1 * base + g_c * (scale * lora)
 
 
-def _compose_wide(lora, base, g, scale, inner: bool = False):
-    """:func:`compose_torch`'s terms in fp32 (or g's wider dtype), not rounded: the output, and ``inner`` if asked."""
-    acc = torch.promote_types(g.dtype, torch.float32)
-    scaled, base = scale * lora.to(acc), base.to(acc)
-    out = (g - 1).to(acc) * base + g.to(acc) * scaled
-    return (out, scaled + base) if inner else out
+def inner_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``inner = s·lora + base`` is kept in for the magnitude's gradient: fp32 for fp16 activations, whose
+    range ``s·lora`` can leave while the output stays in it (see :func:`compose_torch`); else theirs."""
+    return torch.float32 if dtype == torch.float16 else dtype
 
 
 def _forward_and_inner_torch(
     lora: torch.Tensor, base: torch.Tensor, g: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = torch.promote_types(lora.dtype, base.dtype)
-    if dtype == torch.float16:
-        out, inner = _compose_wide(lora, base, g, scale, inner=True)
-        return out.to(dtype), inner.to(inner_dtype(dtype))
+    if dtype == torch.float16:  # the output as compose_torch's, bitwise; inner in fp32
+        return compose_torch(lora, base, g, scale), scale * lora.float() + base.float()
     g_c, gm1 = _scale_factors(g, dtype)
     scaled = scale * lora
     out = gm1 * base + g_c * scaled
