@@ -302,18 +302,17 @@ class DoraLinearLayer(nn.Module):
         if factors is not None and gates.small(lora, result):
             # y = g·(result + s·lora) (+ (1 − g)·bias): two (three) in-place ops on the fresh LoRA output, the first
             # with the scalar s (a third cheaper on the host than two ops with [d_out] factors), in fp32, rounded once
-            if result.dtype == torch.float16:  # result + s·lora may leave fp16's range where g·(·) does not
-                out = result.float().add_(lora, alpha=float(scaling)).mul_(factors[1])
-                if bias is not None:
-                    out.add_(factors[2])
-                record(self, TIER_SMALL_FORWARD)
-                return out.to(torch.promote_types(result.dtype, lora.dtype))
-            into = lora if lora.dtype == result.dtype else None  # a wider result: a new buffer of its dtype
-            out = torch.add(result, lora, alpha=float(scaling), out=into).mul_(factors[1])
+            wide = result.dtype == torch.float16  # result + s·lora may leave fp16's range where g·(·) does not
+            if wide:
+                out = result.float().add_(lora, alpha=float(scaling))
+            else:
+                into = lora if lora.dtype == result.dtype else None  # a wider result: a new buffer of its dtype
+                out = torch.add(result, lora, alpha=float(scaling), out=into)
+            out.mul_(factors[1])
             if bias is not None:
                 out.add_(factors[2])
             record(self, TIER_SMALL_FORWARD)
-            return out
+            return out.to(torch.promote_types(result.dtype, lora.dtype)) if wide else out
 
         if weight_norm is None:
             weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
@@ -385,13 +384,15 @@ class DoraLinearLayer(nn.Module):
             operands = self._norm_operands(weight, lora_A, lora_B)
             if operands is not None:
                 return compiled_weight_norm(self, *operands, scaling)
-        caching = ENABLE_DORA_CACHING and not self.training and adapter_name is not None
-        if caching:  # DoraCaching: the first cached eval forward's norm, until train() (upstream's semantics)
-            cached = self._cache_get(f"weight-norm-{adapter_name}", None)
+        if ENABLE_DORA_CACHING and not self.training and adapter_name is not None:
+            # DoraCaching: the first cached eval forward's norm, until train() (upstream's semantics), under
+            # ``cache_decorator``'s key for get_weight_norm
+            key = f"weight-norm-{adapter_name}"
+            cached = self._cache_get(key, None)
             if cached is not None:
                 return cached
             norm = self._forward_norm_kept(weight, lora_A, lora_B, scaling, adapter_name)
-            self._cache_store(f"weight-norm-{adapter_name}", norm)  # also where a kept norm answered, not computed
+            self._cache_store(key, norm)  # also where a kept norm answered, not computed
             return norm
         return self._forward_norm_kept(weight, lora_A, lora_B, scaling, adapter_name)
 

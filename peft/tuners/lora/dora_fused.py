@@ -399,12 +399,12 @@ def compose_torch(
     activations the branch is ``(g·s)·lora``, ``g·s`` formed in g's precision: ``s·lora`` may leave fp16's range where
     ``g·(s·lora)`` does not (g divides by ``‖W + s·B·A‖``), and no wider temporary is made for autograd to keep."""
     dtype = torch.promote_types(lora.dtype, base.dtype)
-    g_c, gm1 = _scale_factors(g, dtype)
     if dtype == torch.float16:
-        gs = (g * scale).to(dtype)
+        gs, gm1 = (g * scale).to(dtype), (g - 1).to(dtype)  # g·s and g - 1 in g's precision
         if inplace and lora.dtype == dtype and broadcasts_to(lora.shape, base.shape, g.shape):
             return lora.mul_(gs).add_(gm1 * base)
         return gm1 * base + gs * lora
+    g_c, gm1 = _scale_factors(g, dtype)
     if inplace and lora.dtype == dtype and broadcasts_to(lora.shape, base.shape, g.shape):
         # t2 + t1 == t1 + t2 bitwise, so this equals the out-of-place form below.
         return lora.mul_(scale).mul_(g_c).add_(gm1 * base)
