@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests" / "tuners" / "lora"
 RESULTS = REPO / "benchmarks" / "results"
 IGNORED = ("test_dora_other_quant.py",)  # hqq and torchao are not installed where the GPU tests run
-PYTEST = ["-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider", "--durations=0", "--durations-min=0"]
+PYTEST = ["-m", "gpu", "-v", "-rfE", "-p", "no:cacheprovider", "--durations=0", "--durations-min=0"]
 _DURATION = re.compile(r"^\s*([\d.]+)s\s+(?:call|setup|teardown)\s+(\S+?\.py)::")
 _TOTALS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected)")
 _ERROR_AT = re.compile(r"^\S+\.py:\d+: \w+")
@@ -51,12 +51,13 @@ def durations_by_file(text: str) -> dict[str, float]:
 
 
 def known_durations(results: Path = RESULTS) -> dict[str, float]:
-    """Per-file durations from the newest committed GPU test summary that lists any."""
-    for path in sorted(results.glob("gpu_tests_summary_*.txt"), key=lambda p: p.stat().st_mtime, reverse=True):
-        found = durations_by_file(path.read_text(encoding="utf-8", errors="replace"))
-        if found:
-            return found
-    return {}
+    """Per-file durations from the committed GPU test summaries: each file's longest (a fresh clone's files share
+    one mtime, so "newest" cannot be told; the longest keeps a group from running past its limit)."""
+    out: dict[str, float] = {}
+    for path in sorted(results.glob("gpu_tests_*.txt")):
+        for name, secs in durations_by_file(path.read_text(encoding="utf-8", errors="replace")).items():
+            out[name] = max(secs, out.get(name, 0.0))
+    return out
 
 
 def split(files: list[Path], groups: int, weights: dict[str, float]) -> list[list[Path]]:
@@ -110,8 +111,14 @@ def main(argv=None) -> int:
     p.add_argument("--groups", type=int, help="groups of two GPUs (default: the GPUs here // 2, at least 1)")
     p.add_argument("--timeout-s", type=float, default=3000.0, help="per group")
     p.add_argument("--plan", action="store_true", help="print the groups and stop")
+    p.add_argument("--files", nargs="+", help="only these test files (names under tests/tuners/lora)")
     args = p.parse_args(argv)
     files = gpu_test_files()
+    if args.files:
+        unknown = sorted(set(args.files) - {f.name for f in files})
+        if unknown:
+            p.error(f"not GPU test files: {' '.join(unknown)}")
+        files = [f for f in files if f.name in args.files]
     groups = args.groups or max(1, _gpu_count() // 2)
     weights = known_durations()
     plan = split(files, groups, weights)
