@@ -184,8 +184,6 @@ def headline(data):
         "fwd_inner_pct_of_copy_bf16": round(shape["fwd_inner_fused"]["pct_of_copy"], 1),
         "backward_pct_of_roofline_bf16": round(shape["backward_fused"]["pct_of_copy"], 1),
         "host_us_per_fused_call": round(data["host_overhead"]["fused_compose"]["median_us"], 2),
-        "gpu_tests_passed": data["gpu_tests"]["passed"] if data.get("gpu_tests") else None,
-        "gpu_tests_failed": data["gpu_tests"]["failed"] if data.get("gpu_tests") else None,
         "gpu": data["env"]["gpu"],
         "date": data["env"]["date"],
     }

@@ -79,3 +79,23 @@ def test_plan_runs_without_gpus(capsys):
     printed = capsys.readouterr().out
     assert printed.count("group ") == 2 and "test_dora_compile_gpu.py" in printed
     assert Path(R.__file__).parent.name == "tools"
+
+
+def test_completed_counts_skip_a_killed_group_and_add_its_rerun():
+    summary = """# first call
+## group 0, GPUs 0,1, exit -9: a.py b.py
+....................
+## group 1, GPUs 2,3, exit 0: c.py
+283 passed, 2 warnings in 335.79s (0:05:35)
+## seconds per file (pytest --durations)
+total: 283 passed in 500 s wall; FAILED
+# second call
+## group 0, GPUs 0,1, exit 0: a.py
+======== 3 passed in 322.94s ========
+## group 1, GPUs 2,3, exit 1: b.py
+======== 1 failed, 133 passed in 130.91s ========
+## seconds per file (pytest --durations)
+total: 1 failed, 136 passed in 326 s wall; FAILED
+"""
+    counts, incomplete = R.completed_counts(summary)
+    assert counts == {"passed": 419, "failed": 1} and incomplete == 1

@@ -85,6 +85,38 @@ def totals(text: str) -> dict[str, int]:
     return found
 
 
+def completed_counts(summary: str) -> tuple[dict[str, int], int]:
+    """The counts of the groups whose pytest ran to its end in one or more summaries of this script (concatenated, as when
+    a group killed at its limit was run again), and how many groups did not (a killed group's counts are partial)."""
+    counts: dict[str, int] = {}
+    incomplete = 0
+    for block in re.split(r"^(?=## group \d+, )", summary, flags=re.M)[1:]:
+        code = re.match(r"## group \d+, .*?exit (-?\d+)", block)
+        if code is None or code.group(1) not in ("0", "1"):  # pytest: 0 all passed, 1 some failed; else cut short
+            incomplete += 1
+            continue
+        for k, v in totals(block.split("## seconds per file")[0]).items():
+            counts[k] = counts.get(k, 0) + v
+    return counts, incomplete
+
+
+def write_headline(summary_path: Path, headline: Path = RESULTS / "headline.json") -> dict:
+    """``gpu_tests_passed`` and ``gpu_tests_failed`` in ``headline`` from a committed summary's completed groups, and
+    ``gpu_tests_summary`` naming it."""
+    import json
+
+    counts, _ = completed_counts(summary_path.read_text(encoding="utf-8"))
+    values = {
+        "gpu_tests_passed": counts.get("passed", 0),
+        "gpu_tests_failed": counts.get("failed", 0) + counts.get("errors", 0),
+        "gpu_tests_summary": summary_path.name,
+    }
+    current = json.loads(headline.read_text()) if headline.exists() else {}
+    current.update(values)
+    headline.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
+    return values
+
+
 def failure_lines(text: str, limit: int = 40) -> list[str]:
     """The gist of each failure in pytest's output: its header (``____ test ____``), its ``E`` lines and the
     ``file:line: Error`` line that ends it, at most ``limit`` lines in all (a summary must say why, not only what)."""
@@ -111,8 +143,13 @@ def main(argv=None) -> int:
     p.add_argument("--groups", type=int, help="groups of two GPUs (default: the GPUs here // 2, at least 1)")
     p.add_argument("--timeout-s", type=float, default=3000.0, help="per group")
     p.add_argument("--plan", action="store_true", help="print the groups and stop")
+    p.add_argument("--headline-of", metavar="SUMMARY",
+                   help="write gpu_tests_* into results/headline.json from this committed summary, and stop")
     p.add_argument("--files", nargs="+", help="only these test files (names under tests/tuners/lora)")
     args = p.parse_args(argv)
+    if args.headline_of:
+        print(write_headline(Path(args.headline_of)))
+        return 0
     files = gpu_test_files()
     if args.files:
         unknown = sorted(set(args.files) - {f.name for f in files})
