@@ -9,8 +9,8 @@ autograd nodes, launch arguments) with every Triton launch replaced by a no-op (
 tiers are chosen as on a GPU; outputs are not computed); ``--tiers eager`` runs the PyTorch tiers. ``--measure
 train`` times a training step (forward under non-reentrant checkpointing unless ``--no-checkpointing``, backward,
 AdamW), ``eval`` an eval forward without autograd. LoRA and DoRA alternate in one process, ``--rounds`` rounds of
-``--calls`` calls; the record keeps each round and the medians in µs per module, DoRA's extra over LoRA's, and the
-tiers DoRA ran.
+``--calls`` calls; the record keeps each round and the medians in µs per module, DoRA's extra over LoRA's, the ATen
+ops one call dispatches per module (a count that does not drift with the host), and the tiers DoRA ran.
 
     python benchmarks/host_eager.py --measure train --tiers fused --out benchmarks/results/profile/host_eager.json
 
@@ -64,6 +64,7 @@ def build(args, dora: bool) -> nn.Module:
 
     config = LoraConfig(
         r=args.rank, target_modules=[f"layers.{i}" for i in range(args.modules)], use_dora=dora,
+        lora_dropout=args.dropout,
         init_lora_weights=False,  # B != 0: the norm and gradients are those of a trained adapter
     )  # fmt: skip
     model = get_peft_model(_base(args), config)
@@ -102,6 +103,24 @@ def _step_fn(args, model):
     return step
 
 
+def ops_per_module(fn, x, modules: int) -> float:
+    """ATen ops one call of ``fn`` dispatches, per module (with its autograd backward and the optimizer): on a
+    host-bound GPU step each is a launch or at least a dispatch, and unlike the CPU's timings the count does not
+    drift."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn(x)
+    return round(Count.n / modules, 2)
+
+
 def run(args) -> dict:
     from peft.tuners.lora import dora_dispatch
 
@@ -115,7 +134,9 @@ def run(args) -> dict:
             fn(x)
     dora_dispatch.tier_counts.clear()
     rounds, med = alternate(fns, x, args.calls, args.modules, args.rounds)
+    ops = {kind: ops_per_module(fn, x, args.modules) for kind, fn in fns.items()}
     return {
+        "aten_ops_per_module": ops,
         "rounds_us_per_module": rounds,
         "median_us_per_module": {k: round(v, 2) for k, v in med.items()},
         "dora_extra_us_per_module": round(med["dora"] - med["lora"], 2),
@@ -145,6 +166,7 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--bias", action="store_true")
+    p.add_argument("--dropout", type=float, default=0.0, help="lora_dropout (LoRA's and DoRA's)")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--rounds", type=int, default=7)
@@ -166,7 +188,8 @@ def main(argv=None) -> int:
     doc = {"kind": "host_eager", "config": config, "env": _env(), **result}
     print(
         f"{args.measure} {args.tiers} {args.base}: LoRA {result['median_us_per_module']['lora']} µs/module, DoRA "
-        f"{result['median_us_per_module']['dora']} (+{result['dora_extra_us_per_module']}); tiers {result['tiers']}"
+        f"{result['median_us_per_module']['dora']} (+{result['dora_extra_us_per_module']}); aten ops per module "
+        f"{result['aten_ops_per_module']}; tiers {result['tiers']}"
     )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

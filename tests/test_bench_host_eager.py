@@ -33,6 +33,17 @@ def test_fused_training_tiers_with_no_op_launches(tmp_path):
     assert set(doc["tiers"]) == {"fused_backward"}, doc["tiers"]
 
 
+def test_fused_dropout_training_takes_the_node(tmp_path):
+    """LoRA dropout (upstream's semantics) in the fused training node: W·dropout(x) is one more matmul per pass than
+    without dropout, not the composition's dozen element-wise ops and their backward."""
+    pytest.importorskip("triton")
+    plain = _run(tmp_path, "--measure", "train", "--tiers", "fused")["aten_ops_per_module"]
+    doc = _run(tmp_path, "--measure", "train", "--tiers", "fused", "--dropout", "0.05")
+    assert set(doc["tiers"]) == {"fused_backward"}, doc["tiers"]
+    dropped = doc["aten_ops_per_module"]
+    assert dropped["dora"] - dropped["lora"] <= plain["dora"] - plain["lora"] + 6, (plain, dropped)
+
+
 def test_eager_eval_tiers(tmp_path):
     doc = _run(tmp_path, "--measure", "eval", "--tiers", "eager")
     assert set(doc["tiers"]) == {"eager"}, doc["tiers"]

@@ -86,8 +86,9 @@ def totals(text: str) -> dict[str, int]:
 
 
 def completed_counts(summary: str) -> tuple[dict[str, int], int]:
-    """The counts of the groups whose pytest ran to its end in one or more summaries of this script (concatenated, as when
-    a group killed at its limit was run again), and how many groups did not (a killed group's counts are partial)."""
+    """The counts of the groups whose pytest ran to its end in one or more summaries of this script (concatenated, as
+    when a group killed at its limit was run again), and how many groups did not (a killed group's counts are
+    partial)."""
     counts: dict[str, int] = {}
     incomplete = 0
     for block in re.split(r"^(?=## group \d+, )", summary, flags=re.M)[1:]:
@@ -143,8 +144,11 @@ def main(argv=None) -> int:
     p.add_argument("--groups", type=int, help="groups of two GPUs (default: the GPUs here // 2, at least 1)")
     p.add_argument("--timeout-s", type=float, default=3000.0, help="per group")
     p.add_argument("--plan", action="store_true", help="print the groups and stop")
-    p.add_argument("--headline-of", metavar="SUMMARY",
-                   help="write gpu_tests_* into results/headline.json from this committed summary, and stop")
+    p.add_argument(
+        "--headline-of",
+        metavar="SUMMARY",
+        help="write gpu_tests_* into results/headline.json from this committed summary, and stop",
+    )
     p.add_argument("--files", nargs="+", help="only these test files (names under tests/tuners/lora)")
     args = p.parse_args(argv)
     if args.headline_of:

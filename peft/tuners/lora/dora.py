@@ -49,6 +49,7 @@ from .dora_cache import (
 from .dora_cache import invalidate_norm_caches as invalidate_norm_caches  # public here, as documented
 from .dora_cache import norm_counts as norm_counts  # public here, as documented
 from .dora_dispatch import (
+    KERNEL_DTYPES,
     TIER_DECODE,
     TIER_EAGER,
     TIER_FUSED_BACKWARD,
@@ -327,6 +328,51 @@ class DoraLinearLayer(nn.Module):
         g = self._scale(weight_norm, weight.dtype)
         base_result = result if bias is None else result - bias
         return result + self._compose(lora, base_result, g, scaling, gates)
+
+    def dropout_output(self, x, result, *, lora_A, lora_B, scaling, base_layer, adapter_name="default"):
+        """``result + forward(x)`` for the dropped-out input ``x`` (LoRA dropout, upstream's semantics: the magnitude
+        scales ``W·x`` of the dropped-out input, a second base matmul). A training forward of a Linear with a plain
+        LoRA branch and a dense W, whose output fits PEFT_DORA_FWD_CHUNK_MB, runs ``W·x`` and ``a = x·Aᵀ`` as ordinary
+        matmuls and the rest in the output's node (``FusedDoRALinearFunction`` with its ``base`` input): one node in
+        place of the composition's ops and the residual add; anything else composes as :meth:`forward` does."""
+        if type(self) is DoraLinearLayer and not torch.compiler.is_compiling():
+            out = self._dropout_node(x, result, lora_A, lora_B, scaling, base_layer, adapter_name)
+            if out is not None:
+                return out
+        return result + self(
+            x, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer, base_result=None,
+            adapter_name=adapter_name,
+        )  # fmt: skip
+
+    def _dropout_node(self, x, result, lora_A, lora_B, scaling, base_layer, adapter_name) -> Optional[torch.Tensor]:
+        plain = _plain_branch(lora_A, lora_B)
+        weight = _forward_weight(base_layer)
+        if plain is None or type(weight) not in (torch.Tensor, nn.Parameter):
+            return None  # hooks on the branch (ZeRO-3), quantized or wrapped weights: the composition
+        weight_a, weight_b = plain
+        magnitude = _own_param(self, "weight")
+        if not LinearGates(result, magnitude, (x, weight_a, weight_b), True, self.training).one_node:
+            return None
+        if result.numel() * result.element_size() > dora_settings.current().fwd_chunk_mb * dora_settings.MB:
+            return None  # W·x whole would pass PEFT_DORA_FWD_CHUNK_MB: the composition in output slices
+        dense = _oriented(weight, self.fan_in_fan_out)
+        if dense.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            return None  # W·x would need a cast of W (the composition's path makes it)
+        weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
+        if not norm_operand(weight_norm, magnitude):
+            return None
+        a = F.linear(x, weight_a)
+        stride = branch_node_stride(a, result, weight_b, magnitude, None)
+        if stride is None:
+            return None
+        base = F.linear(x, dense)  # bias-free: the bias is in result once
+        if base.shape != result.shape or base.dtype not in KERNEL_DTYPES or not base.is_contiguous():
+            return None
+        record(self, TIER_FUSED_BACKWARD)
+        return dora_fused.FusedDoRALinearFunction.apply(
+            result, a, weight_b, magnitude, weight_norm, None, float(scaling), eps_for(weight.dtype), stride, None,
+            base,
+        )  # fmt: skip
 
     def _traced_output(self, x, result, weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name):
         """The adapted output as torch.compile traces it, for a plain LoRA branch: ``g = m / norm`` scales B's rows
@@ -784,7 +830,8 @@ class DoraLinearVariant(_DoraVariantBase):
         scaling, base_layer = module.scaling[active_adapter], _base_layer(module)
         dropout = modules["lora_dropout"]._modules[active_adapter]
         adapted_output = dora_layer.adapted_output
-        if dora_dist.fsdp1_unit(dora_layer) or dora_dist.fsdp1_unit(lora_A) or dora_dist.fsdp1_unit(lora_B):
+        fsdp1 = dora_dist.fsdp1_unit(dora_layer) or dora_dist.fsdp1_unit(lora_A) or dora_dist.fsdp1_unit(lora_B)
+        if fsdp1:
             # FSDP1 units of their own (PEFT's fsdp_auto_wrap_policy): m, A and B are whole only inside their own
             # forwards, so the magnitude module is called (upstream's route), not its methods
             def adapted_output(x, result, **kwargs):
@@ -803,9 +850,14 @@ class DoraLinearVariant(_DoraVariantBase):
                 adapter_name=active_adapter,
             )  # fmt: skip
         # upstream's semantics: the magnitude scales the base output of the dropped-out input, so W·dropout(x) is
-        # computed too (in output slices)
-        return result + dora_layer(
-            dropout(x), lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer, base_result=None,
+        # computed too
+        if fsdp1:  # the magnitude module is called, as above
+            return result + dora_layer(
+                dropout(x), lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer, base_result=None,
+                adapter_name=active_adapter,
+            )  # fmt: skip
+        return dora_layer.dropout_output(
+            dropout(x), result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,
             adapter_name=active_adapter,
         )  # fmt: skip
 

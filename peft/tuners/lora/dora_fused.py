@@ -114,12 +114,14 @@ if HAS_TRITON:
     @Launcher
     @triton.jit
     def _output_kernel(
-        result_ptr, lora_ptr, bias_ptr, mag_ptr, norm_ptr, out_ptr, inner_ptr,
-        n_rows, n_cols, stride_result, stride_lora, stride_out, stride_inner, scale, eps,
-        HAS_BIAS: tl.constexpr, WRITE_INNER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        result_ptr, lora_ptr, bias_ptr, mag_ptr, norm_ptr, out_ptr, inner_ptr, base_ptr,
+        n_rows, n_cols, stride_result, stride_lora, stride_out, stride_inner, stride_base, scale, eps,
+        HAS_BIAS: tl.constexpr, WRITE_INNER: tl.constexpr, SEPARATE_BASE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         """The adapted layer output in one pass: out = result + ((g - 1)·base + g·(s·lora)) with base = result - bias
-        and g = m / max(w_norm, eps), all in fp32 and rounded once at the store; with WRITE_INNER also
+        (SEPARATE_BASE: base read from ``base_ptr``, the LoRA-dropout path's W·dropout(x)) and
+        g = m / max(w_norm, eps), all in fp32 and rounded once at the store; with WRITE_INNER also
         inner = s·lora + base. out may alias result or lora (each element is read before it is written)."""
         pid = tl.program_id(0).to(tl.int64)
         rows, cols, col_mask, mask = _tile(pid, n_rows, n_cols, BLOCK_M, BLOCK_N)
@@ -127,7 +129,9 @@ if HAS_TRITON:
         result = tl.load(_at(result_ptr, rows, cols, stride_result), mask=mask, other=0.0).to(tl.float32)
         lora = tl.load(_at(lora_ptr, rows, cols, stride_lora), mask=mask, other=0.0).to(tl.float32)
         base = result
-        if HAS_BIAS:
+        if SEPARATE_BASE:
+            base = tl.load(_at(base_ptr, rows, cols, stride_base), mask=mask, other=0.0).to(tl.float32)
+        elif HAS_BIAS:
             base = result - tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         scaled = scale * lora
         out = result + ((g - 1.0) * base + g * scaled)
@@ -142,7 +146,7 @@ if HAS_TRITON:
         d_out_ptr, inner_ptr, g_ptr, norm_ptr, bias_ptr, d_lora_ptr, d_base_ptr, partial_ptr, gs_ptr,
         n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, stride_d_lora, stride_d_base, scale, eps,
         NEED_LORA: tl.constexpr, NEED_BASE: tl.constexpr, NEED_MAG: tl.constexpr, ONE_PASS: tl.constexpr,
-        FROM_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_GS: tl.constexpr,
+        FROM_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_GS: tl.constexpr, SEPARATE_BASE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         """d_lora = g·(s·d_out), d_base = (g - 1)·d_out, and stage one of d_g: this program's column sums of
@@ -150,8 +154,10 @@ if HAS_TRITON:
         ONE_PASS gives the gradients of the one-pass output: ``g_ptr`` holds m and g = m / max(w_norm, eps) is formed
         here, and d_base is that of ``result``, g·d_out (result enters once directly and once through base).
         FROM_OUTPUT: ``inner_ptr`` holds the output y = bias + g·inner, and the sums are of (y - bias)·d_out (the
-        column sum then divides by m). WRITE_GS: the programs of the first band also store g·s per column to
-        ``gs_ptr`` (fp32), for a caller that applies the LoRA branch's scale to B instead of to d_out. A fixed tile
+        column sum then divides by m). SEPARATE_BASE (with ONE_PASS): the output's base was an input of its own (the
+        LoRA-dropout path), so d_base = (g - 1)·d_out is that input's gradient (``result``'s is d_out). WRITE_GS: the
+        programs of the first band also store g·s per column to ``gs_ptr`` (fp32), for a caller that applies the LoRA
+        branch's scale to B instead of to d_out. A fixed tile
         order and a fixed in-register tree make the partial sums bitwise repeatable (no atomics)."""
         pid = tl.program_id(0).to(tl.int64)
         n_col_blocks = tl.cdiv(n_cols, BLOCK_N)
@@ -178,7 +184,7 @@ if HAS_TRITON:
                 d_lora = g * (scale * d_out)
                 tl.store(_at(d_lora_ptr, rows, cols, stride_d_lora), d_lora.to(d_lora_ptr.dtype.element_ty), mask=mask)
             if NEED_BASE:
-                if ONE_PASS:
+                if ONE_PASS and not SEPARATE_BASE:
                     d_base = g * d_out
                 else:
                     d_base = (g - 1.0) * d_out
@@ -303,12 +309,13 @@ def _compose_triton(lora, base, g, scale, out, inner=None, strides=None):
 
 def _backward_triton(
     d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad, strides=None, norm=None, eps=0.0,
-    bias=None, from_output=False, gs_out=None,
+    bias=None, from_output=False, gs_out=None, separate_base=False,
 ):  # fmt: skip
     """Gradients of the composition. With ``norm`` given, ``g`` is the magnitude m (g = m / max(norm, eps) is formed
-    in the kernel), the base gradient is that of ``result`` in the one-pass output (g·d_out) and the magnitude
-    gradient is d_m rather than d_g; with ``from_output`` too, ``inner`` is the output y and d_m comes from
-    (y - bias)·d_out. ``gs_out`` (fp32 [d_out]) receives g·s."""
+    in the kernel), the base gradient is that of ``result`` in the one-pass output (g·d_out; with ``separate_base``
+    that of the output's own base input, (g - 1)·d_out) and the magnitude gradient is d_m rather than d_g; with
+    ``from_output`` too, ``inner`` is the output y and d_m comes from (y - bias)·d_out. ``gs_out`` (fp32 [d_out])
+    receives g·s."""
     stride_d_out, stride_inner = strides or (row_stride(d_out), row_stride(inner if needs_mag_grad else d_out))
     n_cols = d_out.shape[-1]
     n_rows = d_out.numel() // n_cols
@@ -330,7 +337,7 @@ def _backward_triton(
         n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, n_cols, n_cols, float(scale), float(eps),
         NEED_LORA=needs_lora_grad, NEED_BASE=needs_base_grad, NEED_MAG=needs_mag_grad, ONE_PASS=from_mag,
         FROM_OUTPUT=from_output, HAS_BIAS=from_output and bias is not None, WRITE_GS=gs_out is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
+        SEPARATE_BASE=separate_base, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     if needs_mag_grad:
         block_p, block_n_sum = _column_sum_policy(_next_pow2(bands))
@@ -341,7 +348,8 @@ def _backward_triton(
     return d_lora, d_base, d_mag
 
 
-def _output_triton(result, lora, bias, magnitude, norm, scale, eps, out, inner=None, strides=None):
+def _output_triton(result, lora, bias, magnitude, norm, scale, eps, out, inner=None, strides=None, base=None):
+    """``base``: the output's base as a contiguous tensor of its own (else ``result - bias``)."""
     stride_result, stride_lora = strides
     n_cols = lora.shape[-1]
     n_rows = lora.numel() // n_cols
@@ -350,9 +358,10 @@ def _output_triton(result, lora, bias, magnitude, norm, scale, eps, out, inner=N
     stride_out = stride_lora if out is lora else (stride_result if out is result else n_cols)
     _output_kernel[grid](
         result, lora, magnitude if bias is None else bias, magnitude, norm, out, out if inner is None else inner,
-        n_rows, n_cols, stride_result, stride_lora, stride_out, n_cols, float(scale), float(eps),
-        HAS_BIAS=bias is not None, WRITE_INNER=inner is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps, enable_fp_fusion=False,
+        result if base is None else base,
+        n_rows, n_cols, stride_result, stride_lora, stride_out, n_cols, n_cols, float(scale), float(eps),
+        HAS_BIAS=bias is not None, WRITE_INNER=inner is not None, SEPARATE_BASE=base is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
@@ -471,16 +480,17 @@ def _output_torch(
 
 def _output_backward_torch(
     d_out, inner, magnitude, weight_norm, scale, eps, needs_result, needs_lora, needs_mag, bias=None,
-    from_output=False,
+    from_output=False, separate_base=False,
 ):  # fmt: skip
     """Gradients of the one-pass output for layouts the kernel leaves alone, in the kernel's precision (fp32 products
     rounded once): d_result = g·d_out, d_lora = g·(s·d_out), d_m = sum(inner·d_out) / max(w_norm, eps); with
-    ``from_output``, ``inner`` is the output y and d_m = sum((y - bias)·d_out) / m (0 where m is 0)."""
+    ``from_output``, ``inner`` is the output y and d_m = sum((y - bias)·d_out) / m (0 where m is 0). With
+    ``separate_base`` the first gradient is that of the output's own base input, (g - 1)·d_out."""
     acc = torch.promote_types(d_out.dtype, torch.float32)
     denom = weight_norm.to(acc).clamp_min(eps)
     g = magnitude.to(acc) / denom
     d = d_out.to(acc)
-    d_result = (g * d).to(d_out.dtype) if needs_result else None
+    d_result = ((g - 1 if separate_base else g) * d).to(d_out.dtype) if needs_result else None
     d_lora = (g * (scale * d)).to(d_out.dtype) if needs_lora else None
     d_mag = None
     if needs_mag and from_output:
@@ -622,22 +632,28 @@ class FusedDoRALinearFunction(torch.autograd.Function):
     ``dtype`` is ``a``'s dtype, which the caller checks is what ``F.linear(a, B)`` would compute in (autocast's, or
     B's own) and ``result``'s. B and m are kept as attributes, their version counters checked in backward as autograd
     would for saved inputs.
+
+    With LoRA dropout (upstream's semantics) ``a`` is the branch of the dropped-out input and ``base = W·dropout(x)``
+    (bias-free, contiguous, ``result``'s shape: ``dora_dispatch.dropout_base_operand``) is an input of its own:
+    ``y = result + ((g - 1)·base + g·(s·lora))``, ``d_result = d_y``, ``d_base = (g - 1)·d_y``. ``inner`` cannot be
+    read back from ``y`` then and is saved where m needs a gradient.
     """
 
     @staticmethod
-    def forward(ctx, result, a, weight_b, magnitude, weight_norm, bias, scale, eps, stride, known=None):
+    def forward(ctx, result, a, weight_b, magnitude, weight_norm, bias, scale, eps, stride, known=None, base=None):
         """``stride``: ``dora_dispatch.branch_node_stride`` of these tensors, which the caller has checked is not
         None."""
         lora = F.linear(a, weight_b.to(a.dtype))
         needs_mag = ctx.needs_input_grad[3]
-        from_output = needs_mag and output_saves_itself(magnitude, known)
+        from_output = needs_mag and base is None and output_saves_itself(magnitude, known)
         out = _output_buffer(result, lora)
         inner = None
         if needs_mag and not from_output:
             inner = torch.empty_like(out, dtype=inner_dtype(out.dtype), memory_format=_CONTIGUOUS)
         if lora.numel() > 0:
             strides = (stride, lora.shape[-1])  # F.linear's output is contiguous
-            _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, out, inner, strides)
+            _output_triton(result, lora, bias, magnitude, weight_norm, scale, eps, out, inner, strides, base)
+        ctx.separate_base = base is not None
         ctx.save_for_backward(a, out if from_output else inner)
         ctx.weights = (weight_b, magnitude, weight_norm, bias)
         ctx.versions = (weight_b._version, magnitude._version)
@@ -652,6 +668,8 @@ class FusedDoRALinearFunction(torch.autograd.Function):
             _check_version(weight_b, ctx.versions[0], "lora_B")
             _check_version(magnitude, ctx.versions[1], "magnitude")
         needs_result, needs_a, needs_b, needs_mag = ctx.needs_input_grad[:4]
+        separate = ctx.separate_base
+        needs_base = separate and ctx.needs_input_grad[10]  # the dropout path's base: (g - 1)·d_y; result's is d_y
         needs_branch = needs_a or needs_b
         d_out = d_y.shape[-1]
         layout = None
@@ -669,16 +687,19 @@ class FusedDoRALinearFunction(torch.autograd.Function):
             if needs_branch and not scaled:
                 gs = torch.empty((d_out, 1), dtype=torch.float32, device=d_y.device)
             d_lora, d_result, d_mag = _backward_triton(
-                d_y, saved, magnitude, ctx.scale, scaled, needs_result, needs_mag, layout, weight_norm, ctx.eps,
-                bias, ctx.from_output, gs_out=gs,
+                d_y, saved, magnitude, ctx.scale, scaled, needs_base if separate else needs_result, needs_mag,
+                layout, weight_norm, ctx.eps, bias, ctx.from_output, gs_out=gs, separate_base=separate,
             )  # fmt: skip
             if not scaled:
                 d_lora = d_y
         else:  # a layout the kernel leaves alone (e.g. a broadcast gradient), or zero tokens: d_lora = g·s·d_y
             d_result, d_lora, d_mag = _output_backward_torch(
-                d_y, saved, magnitude, weight_norm, ctx.scale, ctx.eps, needs_result, needs_branch, needs_mag, bias,
-                ctx.from_output,
+                d_y, saved, magnitude, weight_norm, ctx.scale, ctx.eps, needs_base if separate else needs_result,
+                needs_branch, needs_mag, bias, ctx.from_output, separate_base=separate,
             )  # fmt: skip
+        d_base = None
+        if separate:
+            d_base, d_result = d_result, (d_y if needs_result else None)
         d_a = d_b = None
         if needs_branch:
             d_lora = d_lora.reshape(-1, d_out)
@@ -698,7 +719,7 @@ class FusedDoRALinearFunction(torch.autograd.Function):
                 d_b = torch.mul(d_b, gs)  # promoted to fp32 by gs
             else:
                 d_b = torch.mul(d_b, gs, out=torch.empty_like(weight_b))
-        return d_result, d_a, d_b, d_mag, None, None, None, None, None, None
+        return d_result, d_a, d_b, d_mag, None, None, None, None, None, None, d_base
 
 
 def _fused_backward(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad):

@@ -51,6 +51,45 @@ def test_cuda_half_precision_at_least_as_accurate_as_upstream(kind, dtype):
         assert max_err(grads_o[name], ref) <= 2 * max_err(grads_u[name], ref) + 1e-2 * ref.abs().max().item(), name
 
 
+class _FixedDropout(torch.nn.Module):
+    """LoRA dropout whose mask depends on the input's shape only: the same in ours, upstream's and the fp64 model."""
+
+    def forward(self, x):
+        gen = torch.Generator().manual_seed(x.numel())
+        keep = (torch.rand(x.shape, generator=gen) >= 0.3).to(x.device, x.dtype)
+        return x * keep / 0.7
+
+
+def _fix_dropout(model):
+    for module in model.modules():
+        if hasattr(module, "lora_dropout"):
+            for name in list(module.lora_dropout.keys()):
+                module.lora_dropout[name] = _FixedDropout()
+    return model
+
+
+@pytest.mark.parametrize("kind", ["linear", "gpt2_conv1d"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_dropout_training_at_least_as_accurate_as_upstream(kind, dtype):
+    """LoRA dropout (upstream's semantics) in training: the output's node with W·dropout(x) as an input of its own
+    (``DoraLinearLayer.dropout_output``), against upstream's composition and an fp64 run of the same weights."""
+    ours = _fix_dropout(build(kind, bias=True, dropout=0.3).to("cuda", dtype))
+    theirs = _fix_dropout(to_upstream(ours))
+    reference = _fix_dropout(to_upstream(ours).double())
+    inputs = tuple(x.cuda() for x in inputs_for(ours, kind, dtype))
+    dora.tier_counts.clear()
+    out_o, grads_o = run(ours, inputs)
+    assert dora.tier_counts[dora.TIER_FUSED_BACKWARD] > 0 and dora.tier_counts[dora.TIER_EAGER] == 0
+    out_u, grads_u = run(theirs, inputs)
+    out_r, grads_r = run(reference, tuple(x.double() if x.is_floating_point() else x for x in inputs))
+    scale = out_r.abs().max().item()
+    assert max_err(out_o, out_r) <= 2 * max_err(out_u, out_r) + 1e-2 * scale
+    assert grads_o.keys() == grads_u.keys()
+    for name in grads_o:
+        ref = grads_r[name]
+        assert max_err(grads_o[name], ref) <= 2 * max_err(grads_u[name], ref) + 1e-2 * ref.abs().max().item(), name
+
+
 def test_norm_transient_memory_within_budget():
     d_out, d_in, r = 4096, 14336, 384
     weight = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16)
