@@ -170,6 +170,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--label", help="what is measured, kept in the record (e.g. which build of peft is imported)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     if args.tiers == "fused":
