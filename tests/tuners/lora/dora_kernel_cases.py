@@ -864,7 +864,8 @@ def test_interpreter_converts_to_bf16_by_truncation():
 
 def test_dropout_node_frozen_and_zero_magnitudes_and_the_chunk_budget(monkeypatch):
     """A magnitude with a zero (the node saves inner either way), a frozen magnitude (nothing activation-sized
-    saved for it), frozen A and B; and an output over PEFT_DORA_FWD_CHUNK_MB composes in slices instead."""
+    saved for it), frozen A and B, zero tokens and a transposed input; an output over PEFT_DORA_FWD_CHUNK_MB composes
+    in slices instead."""
     from peft.tuners.lora import dora_settings
 
     model = _dropout_model(True)
@@ -880,6 +881,18 @@ def test_dropout_node_frozen_and_zero_magnitudes_and_the_chunk_budget(monkeypatc
         assert n1 == 2 and sorted(g1) == sorted(g0) and g1
         assert_close(y1, y0)
         _assert_same_gradients(dx1, dx0, g1, g0)
+    for name, p in model.named_parameters():
+        p.requires_grad_("magnitude" in name or "lora_" in name)
+    empty = torch.randn(0, 24)
+    y1, dx1, g1, n1 = _branch_step(model, empty, "fp32", True, monkeypatch)
+    assert n1 == 2 and y1.shape == (0, 33) and dx1.shape == (0, 24)
+    assert all(torch.count_nonzero(g) == 0 for g in g1.values()) and len(g1) == 6
+    strided = torch.randn(24, 5, generator=torch.Generator().manual_seed(6)).t()  # a transposed input
+    y1, dx1, g1, n1 = _branch_step(model, strided, "fp32", True, monkeypatch, d_y)
+    y0, dx0, g0, _ = _branch_step(model, strided.contiguous(), "fp32", False, monkeypatch, d_y)
+    assert n1 == 2
+    assert_close(y1, y0)
+    _assert_same_gradients(dx1, dx0, g1, g0)
     big = torch.randn(4, 4096, 24, generator=torch.Generator().manual_seed(5))  # outputs of 2.6 and 2.2 MB
     dispatch.tier_counts.clear()
     with dora_settings.override(fwd_chunk_mb=1):
