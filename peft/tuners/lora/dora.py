@@ -62,6 +62,7 @@ from .dora_dispatch import (
     norm_operand,
     record,
     records_grad,
+    wider_result,
 )
 from .dora_dispatch import tier_counts as tier_counts  # public here, as documented
 from .dora_graph import graph_counts as graph_counts  # public here, as documented
@@ -332,9 +333,10 @@ class DoraLinearLayer(nn.Module):
     def dropout_output(self, x, result, *, lora_A, lora_B, scaling, base_layer, adapter_name="default"):
         """``result + forward(x)`` for the dropped-out input ``x`` (LoRA dropout, upstream's semantics: the magnitude
         scales ``W·x`` of the dropped-out input, a second base matmul). A training forward of a Linear with a plain
-        LoRA branch and a dense W, whose output fits PEFT_DORA_FWD_CHUNK_MB, runs ``W·x`` and ``a = x·Aᵀ`` as ordinary
-        matmuls and the rest in the output's node (``FusedDoRALinearFunction`` with its ``base`` input): one node in
-        place of the composition's ops and the residual add; anything else composes as :meth:`forward` does."""
+        LoRA branch and a dense or bitsandbytes-quantized W, whose output fits PEFT_DORA_FWD_CHUNK_MB, runs ``W·x`` and
+        ``a = x·Aᵀ`` as ordinary matmuls and the rest in the output's node (``FusedDoRALinearFunction`` with its
+        ``base`` input): one node in place of the composition's ops and the residual add; anything else composes as
+        :meth:`forward` does."""
         if type(self) is DoraLinearLayer and not torch.compiler.is_compiling():
             out = self._dropout_node(x, result, lora_A, lora_B, scaling, base_layer, adapter_name)
             if out is not None:
@@ -347,16 +349,21 @@ class DoraLinearLayer(nn.Module):
     def _dropout_node(self, x, result, lora_A, lora_B, scaling, base_layer, adapter_name) -> Optional[torch.Tensor]:
         plain = _plain_branch(lora_A, lora_B)
         weight = _forward_weight(base_layer)
-        if plain is None or type(weight) not in (torch.Tensor, nn.Parameter):
-            return None  # hooks on the branch (ZeRO-3), quantized or wrapped weights: the composition
+        quantized = isinstance(weight, dora_quant.QuantizedWeight)
+        if plain is None or not (quantized or type(weight) in (torch.Tensor, nn.Parameter)):
+            return None  # hooks on the branch (ZeRO-3), wrapped weights (HQQ, torchao): the composition
         weight_a, weight_b = plain
         magnitude = _own_param(self, "weight")
         if not LinearGates(result, magnitude, (x, weight_a, weight_b), True, self.training).one_node:
             return None
         if result.numel() * result.element_size() > dora_settings.current().fwd_chunk_mb * dora_settings.MB:
             return None  # W·x whole would pass PEFT_DORA_FWD_CHUNK_MB: the composition in output slices
-        dense = _oriented(weight, self.fan_in_fan_out)
-        if dense.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+        autocast = torch.is_autocast_enabled(x.device.type)
+        branch_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        if result.dtype != branch_dtype and not wider_result(result.dtype, branch_dtype):
+            return None  # e.g. fp32 adapters beside a bf16 result without autocast: nothing computed in vain
+        dense = None if quantized else _oriented(weight, self.fan_in_fan_out)
+        if dense is not None and dense.dtype != x.dtype and not autocast:
             return None  # W·x would need a cast of W (the composition's path makes it)
         weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
         if not norm_operand(weight_norm, magnitude):
@@ -365,7 +372,9 @@ class DoraLinearLayer(nn.Module):
         stride = branch_node_stride(a, result, weight_b, magnitude, None)
         if stride is None:
             return None
-        base = F.linear(x, dense)  # bias-free: the bias is in result once
+        # bias-free (the bias is in result once); a quantized W dequantized for the matmul and again in the backward,
+        # never kept between them (dora_quant.base_output)
+        base = dora_quant.base_output(weight, x) if quantized else F.linear(x, dense)
         if base.shape != result.shape or base.dtype not in KERNEL_DTYPES or not base.is_contiguous():
             return None
         record(self, TIER_FUSED_BACKWARD)

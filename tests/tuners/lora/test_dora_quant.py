@@ -195,8 +195,8 @@ def test_training_matches_upstream(kind, dropout, autocast):
     for name in grads:
         ref = grads_up[name]
         assert_close(grads[name], ref, dtype=dtype, scale=max(1.0, ref.abs().max().item()))
-    if dropout == 0.0:
-        assert set(dora.tier_counts) == {expected_tier(training=True)}, dict(dora.tier_counts)
+    # with dropout too: under the interpreter the output's node takes W·dropout(x) through the quantized matmul
+    assert set(dora.tier_counts) == {expected_tier(training=True)}, dict(dora.tier_counts)
 
 
 @pytest.mark.parametrize("autocast", (False, True), ids=("fp32_hidden", "autocast"))
@@ -383,7 +383,7 @@ def test_quant_under_interpreter():
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEFT_DORA_")}
     env["TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-           "--rootdir", str(HERE.parents[1]), "-k", "training or eval or recompute"]  # fmt: skip
+           "--rootdir", str(HERE.parents[1]), "-k", "training or eval or recompute or dense"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]

@@ -54,10 +54,13 @@ def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.parametrize("dropout", (0.0, 0.1))
 @pytest.mark.parametrize("autocast", (False, True), ids=("fp32_hidden", "autocast"))
 @pytest.mark.parametrize("kind", KINDS)
-def test_fused_training_against_fp32_reference_and_upstream(kind, autocast):
-    model = adapted(kind).train()
+def test_fused_training_against_fp32_reference_and_upstream(kind, autocast, dropout):
+    """With LoRA dropout the output's node takes W·dropout(x) from the quantized matmul (the dropout masks are
+    the same in the three models: one draw per layer from the same seed, on fp32 inputs)."""
+    model = adapted(kind, dropout).train()
     theirs, ref = to_upstream(model), fp32_reference(model)
     x = torch.randn(4, 64, 512, device="cuda")
     dora.tier_counts.clear()
