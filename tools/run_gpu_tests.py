@@ -103,8 +103,9 @@ def completed_counts(summary: str) -> tuple[dict[str, int], int]:
 
 def write_headline(summary_path: Path, headline: Path = RESULTS / "headline.json") -> dict:
     """``gpu_tests_passed`` and ``gpu_tests_failed`` in ``headline`` from a committed summary's completed groups, and
-    ``gpu_tests_summary`` naming it."""
-    import json
+    ``gpu_tests_summary`` naming it (through the benchmarks' own read-modify-write, ``bench_model.write_headline``)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_model  # standard library only at import
 
     counts, _ = completed_counts(summary_path.read_text(encoding="utf-8"))
     values = {
@@ -112,10 +113,7 @@ def write_headline(summary_path: Path, headline: Path = RESULTS / "headline.json
         "gpu_tests_failed": counts.get("failed", 0) + counts.get("errors", 0),
         "gpu_tests_summary": summary_path.name,
     }
-    current = json.loads(headline.read_text()) if headline.exists() else {}
-    current.update(values)
-    headline.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
-    return values
+    return bench_model.write_headline("gpu", values, headline)
 
 
 def failure_lines(text: str, limit: int = 40) -> list[str]:

@@ -157,8 +157,8 @@ if HAS_TRITON:
         column sum then divides by m). SEPARATE_BASE (with ONE_PASS): the output's base was an input of its own (the
         LoRA-dropout path), so d_base = (g - 1)·d_out is that input's gradient (``result``'s is d_out). WRITE_GS: the
         programs of the first band also store g·s per column to ``gs_ptr`` (fp32), for a caller that applies the LoRA
-        branch's scale to B instead of to d_out. A fixed tile
-        order and a fixed in-register tree make the partial sums bitwise repeatable (no atomics)."""
+        branch's scale to B instead of to d_out. A fixed tile order and a fixed in-register tree make the partial sums
+        bitwise repeatable (no atomics)."""
         pid = tl.program_id(0).to(tl.int64)
         n_col_blocks = tl.cdiv(n_cols, BLOCK_N)
         band = pid // n_col_blocks
@@ -634,7 +634,7 @@ class FusedDoRALinearFunction(torch.autograd.Function):
     would for saved inputs.
 
     With LoRA dropout (upstream's semantics) ``a`` is the branch of the dropped-out input and ``base = W·dropout(x)``
-    (bias-free, contiguous, ``result``'s shape: ``dora_dispatch.dropout_base_operand``) is an input of its own:
+    (bias-free, contiguous, ``result``'s shape, as ``DoraLinearLayer._dropout_node`` checks) is an input of its own:
     ``y = result + ((g - 1)·base + g·(s·lora))``, ``d_result = d_y``, ``d_base = (g - 1)·d_y``. ``inner`` cannot be
     read back from ``y`` then and is saved where m needs a gradient.
     """
@@ -669,7 +669,9 @@ class FusedDoRALinearFunction(torch.autograd.Function):
             _check_version(magnitude, ctx.versions[1], "magnitude")
         needs_result, needs_a, needs_b, needs_mag = ctx.needs_input_grad[:4]
         separate = ctx.separate_base
-        needs_base = separate and ctx.needs_input_grad[10]  # the dropout path's base: (g - 1)·d_y; result's is d_y
+        # the gradient the kernel (or its twin) writes beside d_lora: result's, g·d_y, or with the dropout path's own
+        # base input that base's, (g - 1)·d_y (result's is then d_y itself)
+        needs_first = ctx.needs_input_grad[10] if separate else needs_result
         needs_branch = needs_a or needs_b
         d_out = d_y.shape[-1]
         layout = None
@@ -687,15 +689,15 @@ class FusedDoRALinearFunction(torch.autograd.Function):
             if needs_branch and not scaled:
                 gs = torch.empty((d_out, 1), dtype=torch.float32, device=d_y.device)
             d_lora, d_result, d_mag = _backward_triton(
-                d_y, saved, magnitude, ctx.scale, scaled, needs_base if separate else needs_result, needs_mag,
-                layout, weight_norm, ctx.eps, bias, ctx.from_output, gs_out=gs, separate_base=separate,
+                d_y, saved, magnitude, ctx.scale, scaled, needs_first, needs_mag, layout, weight_norm, ctx.eps, bias,
+                ctx.from_output, gs_out=gs, separate_base=separate,
             )  # fmt: skip
             if not scaled:
                 d_lora = d_y
         else:  # a layout the kernel leaves alone (e.g. a broadcast gradient), or zero tokens: d_lora = g·s·d_y
             d_result, d_lora, d_mag = _output_backward_torch(
-                d_y, saved, magnitude, weight_norm, ctx.scale, ctx.eps, needs_base if separate else needs_result,
-                needs_branch, needs_mag, bias, ctx.from_output, separate_base=separate,
+                d_y, saved, magnitude, weight_norm, ctx.scale, ctx.eps, needs_first, needs_branch, needs_mag, bias,
+                ctx.from_output, separate_base=separate,
             )  # fmt: skip
         d_base = None
         if separate:
