@@ -123,11 +123,30 @@ def ops_per_module(fn, x, modules: int) -> float:
     return round(Count.n / modules, 2)
 
 
+def _norm_once() -> None:
+    """``--probe norm-once``: every DoRA layer keeps the first norm it computed and returns it from then on, whatever A
+    and B have become. Wrong on purpose: what the norm's per-forward host work costs, as an upper bound on what
+    computing it less often could save."""
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    fresh = DoraLinearLayer._forward_norm
+
+    def kept(self, *args, **kwargs):
+        norm = self.__dict__.get("_probe_norm")
+        if norm is None:
+            norm = self.__dict__["_probe_norm"] = fresh(self, *args, **kwargs)
+        return norm
+
+    DoraLinearLayer._forward_norm = kept
+
+
 def run(args) -> dict:
     from peft.tuners.lora import dora_dispatch
 
     if args.tiers == "fused":
         _stub_launches()
+    if args.probe == "norm-once":
+        _norm_once()
     torch.set_num_threads(1)
     fns = {kind: _step_fn(args, build(args, kind == "dora")) for kind in ("lora", "dora")}
     x = torch.randn(args.tokens, args.dim, dtype=args.dtype, requires_grad=args.measure == "train")
@@ -172,6 +191,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument(
+        "--probe",
+        choices=("none", "norm-once"),
+        default="none",
+        help="norm-once: each layer's first norm is reused forever (wrong: a cost probe, see _norm_once)",
+    )
     p.add_argument("--label", help="what is measured, kept in the record (e.g. which build of peft is imported)")
     p.add_argument("--out")
     args = p.parse_args(argv)
