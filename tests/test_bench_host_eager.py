@@ -55,3 +55,13 @@ def test_nf4_base_fused_eval(tmp_path):
     doc = _run(tmp_path, "--measure", "eval", "--tiers", "fused", "--base", "nf4", "--bias")
     assert doc["config"]["base"] == "nf4" and set(doc["tiers"]) <= {"small_forward", "fused_forward", "decode"}
     assert sum(doc["tiers"].values()) > 0
+
+
+def test_norm_once_probe_removes_the_norms_ops(tmp_path):
+    """``--probe norm-once`` keeps each layer's first norm: DoRA's per-module ops drop by the norm's, LoRA's stay."""
+    pytest.importorskip("triton")
+    plain = _run(tmp_path, "--measure", "train", "--tiers", "fused")
+    probe = _run(tmp_path, "--measure", "train", "--tiers", "fused", "--probe", "norm-once")
+    assert probe["config"]["probe"] == "norm-once"
+    assert probe["aten_ops_per_module"]["lora"] == plain["aten_ops_per_module"]["lora"]
+    assert probe["aten_ops_per_module"]["dora"] <= plain["aten_ops_per_module"]["dora"] - 5, (plain, probe)
