@@ -838,13 +838,15 @@ class DoraLinearVariant(_DoraVariantBase):
         lora_A, lora_B = modules["lora_A"]._modules[active_adapter], modules["lora_B"]._modules[active_adapter]
         scaling, base_layer = module.scaling[active_adapter], _base_layer(module)
         dropout = modules["lora_dropout"]._modules[active_adapter]
-        adapted_output = dora_layer.adapted_output
-        fsdp1 = dora_dist.fsdp1_unit(dora_layer) or dora_dist.fsdp1_unit(lora_A) or dora_dist.fsdp1_unit(lora_B)
-        if fsdp1:
+        adapted_output, dropout_output = dora_layer.adapted_output, dora_layer.dropout_output
+        if dora_dist.fsdp1_unit(dora_layer) or dora_dist.fsdp1_unit(lora_A) or dora_dist.fsdp1_unit(lora_B):
             # FSDP1 units of their own (PEFT's fsdp_auto_wrap_policy): m, A and B are whole only inside their own
             # forwards, so the magnitude module is called (upstream's route), not its methods
             def adapted_output(x, result, **kwargs):
                 return result + dora_layer(x, base_result=result, **kwargs)
+
+            def dropout_output(x, result, **kwargs):
+                return result + dora_layer(x, base_result=None, **kwargs)
 
         if not module.training or isinstance(dropout, nn.Identity):
             return adapted_output(
@@ -860,12 +862,7 @@ class DoraLinearVariant(_DoraVariantBase):
             )  # fmt: skip
         # upstream's semantics: the magnitude scales the base output of the dropped-out input, so W·dropout(x) is
         # computed too
-        if fsdp1:  # the magnitude module is called, as above
-            return result + dora_layer(
-                dropout(x), lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer, base_result=None,
-                adapter_name=active_adapter,
-            )  # fmt: skip
-        return dora_layer.dropout_output(
+        return dropout_output(
             dropout(x), result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,
             adapter_name=active_adapter,
         )  # fmt: skip

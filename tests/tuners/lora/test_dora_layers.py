@@ -462,6 +462,42 @@ def test_branch_dropout_drops_the_lora_branch_input_only(dora_switches, bias):
         assert torch.equal(model(x), evaluated)
 
 
+@pytest.mark.parametrize("dropout", (0.0, 0.3))
+def test_fsdp1_route_calls_the_magnitude_module(monkeypatch, dropout):
+    """Under FSDP1 units of their own (``dora_dist.fsdp1_unit``) a Linear's DoRA forward calls the magnitude module
+    rather than its methods, with and without LoRA dropout: the same outputs and gradients as the direct route (the
+    same dropout mask: same seed), and one module call per forward."""
+    from peft.tuners.lora import dora_dist
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        nn.Sequential(nn.Linear(24, 40, bias=True)),
+        LoraConfig(target_modules=["0"], use_dora=True, lora_dropout=dropout, r=4, init_lora_weights=False),
+    )
+    layer = model.base_model.model[0]
+    dora_layer = layer.lora_magnitude_vector["default"]
+    x = torch.randn(6, 24)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        y = model(x)
+        y.square().sum().backward()
+        return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.train()
+    direct_y, direct_g = step()
+    calls = []
+    dora_layer.register_forward_pre_hook(lambda *_: calls.append(1))
+    monkeypatch.setattr(dora_dist, "fsdp1_unit", lambda module: module is dora_layer)
+    fsdp1_y, fsdp1_g = step()
+    assert calls == [1]
+    assert_close(fsdp1_y, direct_y)
+    assert sorted(fsdp1_g) == sorted(direct_g) and len(direct_g) == 3
+    for name in direct_g:
+        assert_close(fsdp1_g[name], direct_g[name])
+
+
 def test_dropout_setting_rejects_unknown_values(monkeypatch):
     from peft.tuners.lora import dora_settings
 
