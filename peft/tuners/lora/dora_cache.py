@@ -397,14 +397,19 @@ def prefetch_zero_tests() -> None:
     """Start the zero test of every magnitude a training node has asked about, after an optimizer step changed
     them: one test per device for all of them (a zero anywhere sends every node of that device to the saved
     buffer until the next step), so the next forwards find the answer instead of waiting for the GPU, once per
-    module and step, under non-reentrant checkpointing or none."""
+    module and step, under non-reentrant checkpointing or none.
+
+    Magnitudes that do not require a gradient now are tested too: every optimizer step ends every memo (the epoch),
+    also the step of an optimizer that never saw them. Two adapters trained in turn (``set_adapter`` freezes the
+    inactive one) would otherwise find their answers gone after the other adapter's step, and wait for the GPU once
+    per module in their next forward."""
     by_device: dict = {}
     for magnitude, known in list(_zero_watch.items()):
         if not storage_holds(magnitude):
             # FSDP's gathered parameter between its layer's passes: the storage is freed (resized to nothing) and
             # reading it is an illegal memory access; the next gather writes new values anyway (a new version)
             del _zero_watch[magnitude]
-        elif magnitude.requires_grad and magnitude.is_cuda:
+        elif magnitude.is_cuda:
             by_device.setdefault(magnitude.device, []).append((magnitude, known))
     for device, watched in by_device.items():
         with torch.cuda.device(device):

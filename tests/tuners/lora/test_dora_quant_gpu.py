@@ -172,6 +172,37 @@ def test_training_step_does_not_wait_for_the_gpu(kind, checkpoint):
         opt.zero_grad()
 
 
+def test_two_adapters_trained_in_turn_do_not_wait_for_the_gpu():
+    """Two DoRA adapters trained in turn, each with its own optimizer (``set_adapter`` freezes the inactive one), as
+    the grid's paired steps run them: every optimizer step ends every memo, so the other adapter's step also ends
+    this one's zero-test answers; the step hook restarts the tests of frozen magnitudes too. Before that, each
+    adapter's first forward after the other's step waited for the GPU once per DoRA module."""
+    model = get_peft_model(
+        PlainNet(), LoraConfig(r=16, target_modules=["up", "down"], use_dora=True, init_lora_weights=False)
+    )
+    model.add_adapter("other", LoraConfig(r=8, target_modules=["up", "down"], use_dora=True, init_lora_weights=False))
+    model.cuda().train()
+    optimizers = {}
+    for name in ("default", "other"):
+        model.set_adapter(name)
+        optimizers[name] = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    x = torch.randn(4, 256, 512, device="cuda", requires_grad=True)
+    for step in range(6):
+        name = ("default", "other")[step % 2]
+        model.set_adapter(name)
+        dora.tier_counts.clear()
+        torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")  # each adapter's first step sets up
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+            out.float().square().mean().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert dora.tier_counts[dora.TIER_FUSED_BACKWARD] == 4, dict(dora.tier_counts)
+        optimizers[name].step()
+        optimizers[name].zero_grad()
+
+
 def _poison_free_blocks(count: int = 64) -> list:
     """NaN in the blocks the caching allocator has free on the norm graphs' capture stream (where a capture's warm-up
     run allocates), of the sizes the norms' temporaries have here: a replay that reads a buffer freed after its capture
