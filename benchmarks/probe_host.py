@@ -15,7 +15,9 @@ restored after each probe, so the next one starts from the same values:
 * ``zero-known``: the training node's zero test of m answers "no zero" without asking its memo;
 * ``no-triton``: every Triton launch of ours skipped (the output node's and the backward's kernels, the norm's where
   it launches any): the launches' host cost;
-* ``all``: the three together: what is left is the Python glue, the autograd node and the extra PyTorch ops.
+* ``all``: the three together: what is left is the Python glue, the autograd node and the extra PyTorch ops;
+* ``norm-batch``: not a removal but ``PEFT_DORA_NORM_BATCH=1`` (``dora_batch``: a device's training norms computed
+  together once per forward pass), what it saves against ``none``.
 
     PYTHONPATH=<ours> python benchmarks/probe_host.py --points "llama3b bf16 r16 seq512 b1 all drop0" \\
         --out $OUT/probe_host.json
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -39,7 +42,7 @@ import model_worker as mw  # noqa: E402
 from profile_step import point_spec  # noqa: E402
 
 
-PROBES = ("none", "norm-once", "zero-known", "no-triton", "all")
+PROBES = ("none", "norm-once", "zero-known", "no-triton", "all", "norm-batch")
 
 
 @contextlib.contextmanager
@@ -81,8 +84,27 @@ def _no_triton():
     return stack
 
 
+@contextlib.contextmanager
+def _norm_batch():
+    from peft.tuners.lora import dora_settings
+
+    before = os.environ.get("PEFT_DORA_NORM_BATCH")
+    os.environ["PEFT_DORA_NORM_BATCH"] = "1"
+    dora_settings._invalidate_fused_cache()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PEFT_DORA_NORM_BATCH"]
+        else:
+            os.environ["PEFT_DORA_NORM_BATCH"] = before
+        dora_settings._invalidate_fused_cache()
+
+
 def probe(name: str):
     stack = contextlib.ExitStack()
+    if name == "norm-batch":
+        stack.enter_context(_norm_batch())
     if name in ("norm-once", "all"):
         stack.enter_context(_norm_once())
     if name in ("zero-known", "all"):

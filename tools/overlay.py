@@ -15,6 +15,7 @@ from . import upstream
 
 OVERLAY_FILES = (
     "tuners/lora/dora.py",
+    "tuners/lora/dora_batch.py",
     "tuners/lora/dora_cache.py",
     "tuners/lora/dora_decode.py",
     "tuners/lora/dora_dispatch.py",

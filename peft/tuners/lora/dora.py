@@ -35,7 +35,7 @@ from torch.nn.modules import module as _nn_module
 
 from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 
-from . import dora_decode, dora_dist, dora_fused, dora_norm, dora_quant, dora_settings
+from . import dora_batch, dora_decode, dora_dist, dora_fused, dora_norm, dora_quant, dora_settings
 from .dora_cache import (
     KeyedMemo,
     LayerReuse,
@@ -291,7 +291,7 @@ class DoraLinearLayer(nn.Module):
             a = F.linear(x, weight_a)
             stride = branch_node_stride(a, result, weight_b, magnitude, bias) if gates.one_node else None
             if stride is not None:
-                weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
+                weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name, batched=True)
                 if norm_operand(weight_norm, magnitude):
                     record(self, TIER_FUSED_BACKWARD)
                     eps = eps_for(weight.dtype)
@@ -432,7 +432,7 @@ class DoraLinearLayer(nn.Module):
 
     # The norm and what comes of it, by the first of ``dora_cache.LayerReuse``'s sources that holds it.
 
-    def _forward_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
+    def _forward_norm(self, weight, lora_A, lora_B, scaling, adapter_name, batched: bool = False) -> torch.Tensor:
         """The norm for this forward: under torch.compile one opaque op (``compiled_weight_norm``) where
         ``ENABLE_DORA_CACHING`` is off; else the kept norm while W, A, B and s provably hold, else a fresh one."""
         if torch.compiler.is_compiling() and not ENABLE_DORA_CACHING:
@@ -449,11 +449,12 @@ class DoraLinearLayer(nn.Module):
             norm = self._forward_norm_kept(weight, lora_A, lora_B, scaling, adapter_name)
             self._cache_store(key, norm)  # also where a kept norm answered, not computed
             return norm
-        return self._forward_norm_kept(weight, lora_A, lora_B, scaling, adapter_name)
+        return self._forward_norm_kept(weight, lora_A, lora_B, scaling, adapter_name, batched)
 
-    def _forward_norm_kept(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
+    def _forward_norm_kept(self, weight, lora_A, lora_B, scaling, adapter_name, batched=False) -> torch.Tensor:
         """:meth:`_forward_norm` outside torch.compile and ``DoraCaching``'s cache: the kept norm while W, A, B and s
-        provably hold (sharded under FSDP2), else a fresh one."""
+        provably hold (sharded under FSDP2), else a fresh one (``batched``: the training node's forward, whose norm
+        may come from the device's batch, ``dora_batch``)."""
         if type(self) is DoraLinearLayer and not (self.fan_in_fan_out or ENABLE_DORA_CACHING):
             shards = dora_dist.norm_shards(weight, lora_A, lora_B)
             if shards is not None:
@@ -467,7 +468,11 @@ class DoraLinearLayer(nn.Module):
             reuse_mode(self, sources),
             "norm",
             sources,
-            lambda: self._fresh_norm(weight, lora_A, lora_B, scaling, adapter_name),
+            lambda: (
+                self._fresh_norm(weight, lora_A, lora_B, scaling, adapter_name, batched=True)
+                if batched
+                else self._fresh_norm(weight, lora_A, lora_B, scaling, adapter_name)
+            ),
             extra=(*extra, _weight_versions(weight)),
         )
 
@@ -537,7 +542,8 @@ class DoraLinearLayer(nn.Module):
             return None  # chunked dequantization, traced as PyTorch and bitsandbytes ops under torch.compile
         return _oriented(weight, self.fan_in_fan_out), lora_A, lora_B
 
-    def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name) -> torch.Tensor:
+    def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name, batched: bool = False) -> torch.Tensor:
+        """The norm computed now (``batched``: by the device's batch where ``dora_batch.applies``)."""
         reuse = self._reuse
         w_sq = None
         if isinstance(weight, dora_quant.QuantizedWeight):
@@ -556,6 +562,17 @@ class DoraLinearLayer(nn.Module):
         def compute() -> torch.Tensor:
             return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
 
+        if batched and self.training and type(self) is DoraLinearLayer and dora_batch.applies(weight, lora_A, lora_B):
+            # PEFT_DORA_NORM_BATCH=1: the norms of all of the device's members, once per forward pass
+            tensors, extra = dora_norm.graph_key((weight, lora_A, lora_B), w_sq, scaling)
+
+            def fallback() -> torch.Tensor:
+                if dora_norm.norm_graph_applies(weight, lora_A, lora_B):
+                    return reuse.graph.run(tensors, extra, compute)
+                return compute()
+
+            members = dora_batch.batch(weight.device)
+            return members.norm(self, tensors, extra, _member_norm(float(scaling), adapter_name), fallback)
         if self.training and dora_norm.norm_graph_applies(graph_weight, lora_A, lora_B):
             # training forwards recompute the norm of the same tensors, updated in place: one graph launch each (a
             # quantized weight's chunked dequantization and GEMMs too: the graph reads its packed storage and scales)
@@ -719,6 +736,16 @@ class DoraConv3dLayer(_DoraConvNdLayer):
 # ---------------------------------------------------------------------------------------------------------------
 # Variants: the hooks upstream's LoRA layers call (routed here by the glue in variants.py).
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def _member_norm(scaling: float, adapter_name):
+    """``compute(layer, (W, A, B[, ‖W‖²]))`` of a DoRA Linear's norm for ``dora_batch``: holds no tensor itself."""
+
+    def compute(layer, tensors) -> torch.Tensor:
+        w_sq = tensors[3] if len(tensors) > 3 else None
+        return layer.get_weight_norm(tensors[0], tensors[1], tensors[2], scaling, adapter_name=adapter_name, w_sq=w_sq)
+
+    return compute
 
 
 def _register_magnitude(module) -> None:

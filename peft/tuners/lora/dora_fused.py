@@ -38,6 +38,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .dora_batch import end_pass
 from .dora_cache import output_saves_itself
 from .dora_dispatch import KERNEL_DTYPES, compose_layout, kernels_available, output_layout, records_grad, row_stride
 from .dora_launch import HAS_TRITON
@@ -662,6 +663,7 @@ class FusedDoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_y):
+        end_pass()  # the norms a device's batch computed in this forward pass are not handed out after it
         a, saved = ctx.saved_tensors
         weight_b, magnitude, weight_norm, bias = ctx.weights
         if weight_b._version != ctx.versions[0] or magnitude._version != ctx.versions[1]:

@@ -199,3 +199,75 @@ def test_graphs_share_one_pool_and_release_it(graph_env):
     dora_graph.graph_counts.clear()
     _steps(_model(torch.float32, seed=5), torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16), n=3)
     assert dora_graph.graph_counts["captured"] == 1 and dora_graph.graph_counts["failed"] == 0
+
+
+class _Chain(torch.nn.Module):
+    """Four bf16 Linears; ``skip`` leaves some out of a forward (as MoE routing leaves experts out)."""
+
+    def __init__(self, d=512):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d, bias=False) for _ in range(4))
+        self.skip = set()
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i not in self.skip:
+                x = torch.tanh(layer(x))
+        return x
+
+
+def _chain_model(seed=0):
+    torch.manual_seed(seed)
+    config = LoraConfig(r=16, target_modules=[f"layers.{i}" for i in range(4)], use_dora=True,
+                        init_lora_weights=False)  # fmt: skip
+    return get_peft_model(_Chain().to("cuda", torch.bfloat16), config).train()
+
+
+@pytest.mark.parametrize("updates", ("adamw", "data_writes"))
+def test_norm_batch_trains_as_each_layer_alone(monkeypatch, updates):
+    """``PEFT_DORA_NORM_BATCH=1``: one CUDA graph per device computes every member's norm in the first member's
+    forward; the others take theirs. Equal to each layer's own graph through AdamW steps, and through hand-written
+    updates through ``.data`` with the leader skipped in some passes (nothing moves a version counter or runs an
+    optimizer hook there); no host sync once captured."""
+    from torch.utils.checkpoint import checkpoint
+
+    def train(batch: bool):
+        if batch:
+            monkeypatch.setenv("PEFT_DORA_NORM_BATCH", "1")
+        else:
+            monkeypatch.delenv("PEFT_DORA_NORM_BATCH", raising=False)
+        dora._invalidate_fused_cache()
+        dora.norm_counts.clear()
+        model = _chain_model()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        outs = []
+        for step in range(8):
+            model.get_base_model().skip = {0} if updates == "data_writes" and step % 3 == 2 else set()
+            x = torch.randn(64, 512, device="cuda", generator=gen, dtype=torch.bfloat16)
+            torch.cuda.set_sync_debug_mode("error" if step >= 3 and updates == "adamw" else "default")
+            try:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    y = checkpoint(model, x, use_reentrant=False)
+                y.float().square().mean().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            outs.append(y.detach().float())
+            if updates == "adamw":
+                opt.step()
+            else:
+                with torch.no_grad():
+                    for p in params:
+                        p.data -= 1e-2 * p.grad
+            opt.zero_grad()
+        return torch.cat(outs), dora.norm_counts.get("norm_batched", 0)
+
+    ref, none = train(False)
+    captured = dora_graph.graph_counts["captured"]
+    out, batched = train(True)
+    monkeypatch.delenv("PEFT_DORA_NORM_BATCH", raising=False)
+    dora._invalidate_fused_cache()
+    assert none == 0 and batched > 0
+    assert dora_graph.graph_counts["captured"] > captured
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
