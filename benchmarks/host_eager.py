@@ -129,7 +129,12 @@ def _norm_once() -> None:
     computing it less often could save."""
     from peft.tuners.lora.dora import DoraLinearLayer
 
-    fresh = DoraLinearLayer._forward_norm
+    DoraLinearLayer._forward_norm = first_norm_kept(DoraLinearLayer._forward_norm)
+
+
+def first_norm_kept(fresh):
+    """``_forward_norm`` that keeps each layer's first norm (``fresh``'s) and returns it from then on, in the layer's
+    ``_probe_norm`` (deleting it starts over)."""
 
     def kept(self, *args, **kwargs):
         norm = self.__dict__.get("_probe_norm")
@@ -137,7 +142,7 @@ def _norm_once() -> None:
             norm = self.__dict__["_probe_norm"] = fresh(self, *args, **kwargs)
         return norm
 
-    DoraLinearLayer._forward_norm = kept
+    return kept
 
 
 def run(args) -> dict:

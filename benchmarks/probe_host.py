@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model as bm  # noqa: E402
 import model_worker as mw  # noqa: E402
+from host_eager import first_norm_kept  # noqa: E402
 from profile_step import point_spec  # noqa: E402
 
 
@@ -58,15 +59,7 @@ def _patched(owner, name: str, value):
 def _norm_once():
     from peft.tuners.lora.dora import DoraLinearLayer
 
-    fresh = DoraLinearLayer._forward_norm
-
-    def kept(self, *args, **kwargs):
-        norm = self.__dict__.get("_probe_norm")
-        if norm is None:
-            norm = self.__dict__["_probe_norm"] = fresh(self, *args, **kwargs)
-        return norm
-
-    return _patched(DoraLinearLayer, "_forward_norm", kept)
+    return _patched(DoraLinearLayer, "_forward_norm", first_norm_kept(DoraLinearLayer._forward_norm))
 
 
 def _zero_known():

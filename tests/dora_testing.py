@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -31,6 +33,19 @@ TOL = {
     torch.bfloat16: (3e-2, 3e-2),
     torch.float16: (4e-3, 4e-3),
 }
+
+
+def run_under_interpreter(path: Path, *pytest_args: str) -> None:
+    """pytest on ``path`` in a child process with TRITON_INTERPRET=1 (Triton fixes interpretation when a kernel is
+    decorated, i.e. when peft is first imported) and no ``PEFT_DORA_*`` variable; it must pass and skip nothing."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEFT_DORA_")}
+    env["TRITON_INTERPRET"] = "1"
+    tests = Path(__file__).resolve().parent
+    cmd = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           "--rootdir", str(tests), *pytest_args]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=tests, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
 
 
 def assert_close(actual, expected, dtype=None, scale=1.0, equal_nan=False):

@@ -57,89 +57,88 @@ def trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def run(dora_env, batch: bool, steps, seed: int = 0):
-    """``steps(model)`` with the batch on or off; returns what it returns and the batched-norm count."""
-    dora_env("PEFT_DORA_NORM_BATCH", "1" if batch else None)
-    dora.norm_counts.clear()
-    dora.tier_counts.clear()
-    out = steps(build(seed))
-    assert dora.tier_counts[dora.TIER_FUSED_BACKWARD] > 0, dict(dora.tier_counts)
-    return out, dora.norm_counts.get("norm_batched", 0)
+def passes(model, n: int, seed: int, update, skips=lambda k: set()) -> torch.Tensor:
+    """``n`` training passes (forward, backward, ``update(params)``), pass ``k`` leaving out the layers ``skips(k)``;
+    their outputs, concatenated."""
+    chain, params = model.get_base_model(), trainable(model)
+    gen = torch.Generator().manual_seed(seed)
+    outs = []
+    for k in range(n):
+        chain.skip = skips(k)
+        y = model(torch.randn(4, 24, generator=gen))
+        y.square().mean().backward()
+        update(params)
+        outs.append(y.detach())
+    return torch.cat(outs)
+
+
+def optimizer_update(params, kind=torch.optim.AdamW):
+    opt = kind(params, lr=1e-2)
+
+    def update(_params):
+        opt.step()
+        opt.zero_grad()
+
+    return update
+
+
+def assert_batched_as_alone(dora_env, steps) -> None:
+    """``steps(model)`` (a fresh model, the same seed) gives bitwise the same with the batch on as off, and the batch
+    handed out norms."""
+    results, batched = [], []
+    for batch in (False, True):
+        dora_env("PEFT_DORA_NORM_BATCH", "1" if batch else None)
+        dora.norm_counts.clear()
+        dora.tier_counts.clear()
+        results.append(steps(build()))
+        assert dora.tier_counts[dora.TIER_FUSED_BACKWARD] > 0, dict(dora.tier_counts)
+        batched.append(dora.norm_counts.get("norm_batched", 0))
+    assert batched[0] == 0 and batched[1] > 0, batched
+    for ours, alone in zip(results[1], results[0]):
+        assert torch.equal(ours, alone)
 
 
 @pytest.mark.parametrize("checkpointed", (False, True))
 def test_batch_trains_bitwise_as_each_layer_alone(dora_env, checkpointed):
     def steps(model):
         model.get_base_model().checkpointed = checkpointed
-        opt = torch.optim.AdamW(trainable(model), lr=1e-2)
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(5):
-            loss = model(torch.randn(4, 24, generator=gen)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        return torch.stack(losses), [p.detach().clone() for p in trainable(model)]
+        params = trainable(model)
+        out = passes(model, 5, 1, optimizer_update(params))
+        return [out, *(p.detach().clone() for p in params)]
 
-    (ref_losses, ref_params), none = run(dora_env, False, steps)
-    (losses, params), batched = run(dora_env, True, steps)
-    assert none == 0 and batched > 0
-    assert torch.equal(losses, ref_losses)
-    assert all(torch.equal(p, q) for p, q in zip(params, ref_params))
+    assert_batched_as_alone(dora_env, steps)
 
 
 def test_batch_never_stale_with_skipped_layers_and_data_writes(dora_env):
     """A hand-written optimizer writes through ``.data`` (no version counter moves, no optimizer hook runs) and the
     leader of the earlier passes is skipped in some: every member's norm must still be of its current values."""
 
-    def steps(model):
-        chain = model.get_base_model()
-        gen = torch.Generator().manual_seed(2)
-        outs = []
-        for k in range(8):
-            chain.skip = {0} if k % 3 == 2 else ({1, 3} if k % 3 == 1 and k > 2 else set())
-            y = model(torch.randn(4, 24, generator=gen))
-            y.square().mean().backward()
-            outs.append(y.detach())
-            with torch.no_grad():
-                for p in trainable(model):
-                    if p.grad is not None:
-                        p.data -= 0.05 * p.grad  # untracked: the norms must follow anyway
-                    p.grad = None
-        return torch.cat(outs)
+    def data_writes(params):
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.data -= 0.05 * p.grad  # untracked: the norms must follow anyway
+                p.grad = None
 
-    ref, _ = run(dora_env, False, steps)
-    out, batched = run(dora_env, True, steps)
-    assert batched > 0
-    assert torch.equal(out, ref)
+    def skips(k):
+        return {0} if k % 3 == 2 else ({1, 3} if k % 3 == 1 and k > 2 else set())
+
+    assert_batched_as_alone(dora_env, lambda model: [passes(model, 8, 2, data_writes, skips)])
 
 
 def test_batch_member_edited_in_place_after_the_leader_computes_its_own(dora_env):
     """An in-place edit of a member's B after the leader's forward (a pre-hook on that member) moves its version: the
     member computes its own norm of the edited values, as without the batch."""
 
+    def edit(module, args):
+        with torch.no_grad():
+            module.lora_B["default"].weight.mul_(1.01)
+
     def steps(model):
-        def edit(module, args):
-            with torch.no_grad():
-                module.lora_B["default"].weight.mul_(1.01)
-
         model.base_model.model.layers[2].register_forward_pre_hook(edit)
-        opt = torch.optim.SGD(trainable(model), lr=1e-2)
-        gen = torch.Generator().manual_seed(3)
-        outs = []
-        for _ in range(4):
-            y = model(torch.randn(4, 24, generator=gen))
-            y.square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            outs.append(y.detach())
-        return torch.cat(outs)
+        return [passes(model, 4, 3, optimizer_update(trainable(model), torch.optim.SGD))]
 
-    ref, _ = run(dora_env, False, steps)
-    out, batched = run(dora_env, True, steps)
-    assert batched > 0
-    assert torch.equal(out, ref)
+    assert_batched_as_alone(dora_env, steps)
 
 
 def test_batch_follows_new_and_deleted_members(dora_env):
@@ -149,18 +148,8 @@ def test_batch_follows_new_and_deleted_members(dora_env):
     def steps(first):
         out = []
         for model in (first, build(5)):
-            opt = torch.optim.AdamW(trainable(model), lr=1e-2)
-            gen = torch.Generator().manual_seed(4)
-            for _ in range(3):
-                y = model(torch.randn(4, 24, generator=gen))
-                y.square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-                out.append(y.detach())
-            del model, opt
-        return torch.cat(out)
+            out.append(passes(model, 3, 4, optimizer_update(trainable(model))))
+            del model
+        return out
 
-    ref, _ = run(dora_env, False, steps)
-    out, batched = run(dora_env, True, steps)
-    assert batched > 0
-    assert torch.equal(out, ref)
+    assert_batched_as_alone(dora_env, steps)

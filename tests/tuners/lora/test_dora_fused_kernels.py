@@ -1,13 +1,11 @@
 """The fused DoRA kernels on CPU: the layout rules here, every kernel against its twin under the Triton interpreter
 (dora_kernel_cases.py, in a child process), and the torch.compile op through opcheck."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from dora_testing import run_under_interpreter
 
 from peft.tuners.lora import dora_dispatch as dispatch
 from peft.tuners.lora import dora_fused as F
@@ -19,26 +17,13 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_kernels_against_twins_under_interpreter():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PEFT_DORA_")}
-    env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "pytest", str(HERE / "dora_kernel_cases.py"), "-q", "-p", "no:cacheprovider",
-           "-o", "addopts=", "--rootdir", str(HERE.parents[1])]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_under_interpreter(HERE / "dora_kernel_cases.py")
 
 
 def test_model_parity_with_upstream_under_interpreter():
     """test_dora_parity's comparisons with upstream PEFT again, with the fused tiers (the one-pass output kernel)
     interpreted: on CPU without the interpreter they run the eager tier."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PEFT_DORA_")}
-    env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "pytest", str(HERE / "test_dora_parity.py"), "-q", "-p", "no:cacheprovider",
-           "-o", "addopts=", "--rootdir", str(HERE.parents[1]),
-           "-k", "upstream or zero_tokens or activation_dtype"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_under_interpreter(HERE / "test_dora_parity.py", "-k", "upstream or zero_tokens or activation_dtype")
 
 
 @pytest.mark.parametrize(

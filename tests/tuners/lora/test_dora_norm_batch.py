@@ -4,13 +4,11 @@ CPU)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from dora_testing import run_under_interpreter
 from torch import nn
 
 from peft.tuners.lora import dora_batch
@@ -21,13 +19,7 @@ HERE = Path(__file__).resolve().parent
 
 def test_norm_batch_cases_under_interpreter():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PEFT_DORA_")}
-    env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "pytest", str(HERE / "dora_norm_batch_cases.py"), "-q", "-p", "no:cacheprovider",
-           "-o", "addopts=", "--rootdir", str(HERE.parents[1])]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_under_interpreter(HERE / "dora_norm_batch_cases.py")
 
 
 def test_batch_is_off_by_default_and_outside_training_forwards(dora_env):
