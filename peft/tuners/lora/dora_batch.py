@@ -125,6 +125,9 @@ class DeviceNorms:
     def _run(self, now) -> Optional[dict]:
         """Every member's norm from one computation (captured first where there is no batch yet), the others' left
         waiting; None (and the batch dropped) where a member is gone or changed, or the capture failed."""
+        cuda = self.device.type == "cuda"
+        if cuda and self.graph is None and self.captures >= _MAX_CAPTURES:
+            return None  # given up on this device: each member computes its own
         live, gone = [], []
         for key, member in self.members.items():
             tensors = member.tensors()
@@ -138,9 +141,8 @@ class DeviceNorms:
             self.drop()
             self.changed = now
             return None
-        if self.graph is None and self.device.type == "cuda":
-            if self.captures >= _MAX_CAPTURES or not self._capture(live):
-                return None
+        if cuda and self.graph is None and not self._capture(live):
+            return None
         if self.graph is not None:
             self.graph.replay()
             graph_counts["replayed"] += 1
@@ -167,6 +169,7 @@ class DeviceNorms:
                 outs = [member.compute(member.layer(), tensors) for _, member, tensors in live]  # warm-up
                 if len({o.dtype for o in outs}) != 1 or any(o.dim() != 1 for o in outs):
                     current.wait_stream(stream)
+                    self.captures = _MAX_CAPTURES  # norms that cannot be concatenated: not batched here
                     return False
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
@@ -176,6 +179,7 @@ class DeviceNorms:
         except RuntimeError:
             current.wait_stream(stream)
             graph_counts["failed"] += 1
+            self.captures = _MAX_CAPTURES  # as a layer's own graph that failed: not tried again
             return False
         current.wait_stream(stream)
         graphs.add(graph)
@@ -191,7 +195,10 @@ def applies(weight, lora_A, lora_B) -> bool:
     that autograd records, outside backward (a checkpoint recompute reuses its forward's norm), torch.compile and
     graph capture, plain parameters of one device whose identity PyTorch tracks (not sharded, quantized or
     DeepSpeed's)."""
-    if not settings().norm_batch or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+    env = settings()
+    if not env.norm_batch or env.norm_graph is False or env.fused is False:
+        return False  # PEFT_DORA_NORM_GRAPH=0 or PEFT_DORA_FUSED=0: no graph of ours, the batch's neither
+    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
         return False
     if torch.compiler.is_compiling():
         return False

@@ -31,6 +31,9 @@ def test_batch_is_off_by_default_and_outside_training_forwards(dora_env):
     with torch.no_grad():
         assert not dora_batch.applies(p, p, p)
     assert not dora_batch.applies(p.detach(), p, p)  # not a parameter: its identity stands for nothing
+    dora_env("PEFT_DORA_NORM_GRAPH", "0")
+    assert not dora_batch.applies(p, p, p)
+    dora_env("PEFT_DORA_NORM_GRAPH", None)
     dora_env("PEFT_DORA_NORM_BATCH", "2")
     with pytest.raises(ValueError, match="PEFT_DORA_NORM_BATCH"):
         dora_batch.applies(p, p, p)
