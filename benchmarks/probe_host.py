@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -77,27 +76,12 @@ def _no_triton():
     return stack
 
 
-@contextlib.contextmanager
-def _norm_batch():
+def probe(name: str):
     from peft.tuners.lora import dora_settings
 
-    before = os.environ.get("PEFT_DORA_NORM_BATCH")
-    os.environ["PEFT_DORA_NORM_BATCH"] = "1"
-    dora_settings._invalidate_fused_cache()
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["PEFT_DORA_NORM_BATCH"]
-        else:
-            os.environ["PEFT_DORA_NORM_BATCH"] = before
-        dora_settings._invalidate_fused_cache()
-
-
-def probe(name: str):
     stack = contextlib.ExitStack()
-    if name == "norm-batch":
-        stack.enter_context(_norm_batch())
+    if name == "norm-batch":  # PEFT_DORA_NORM_BATCH=1 for this probe's pairs only
+        stack.enter_context(dora_settings.override(norm_batch=True))
     if name in ("norm-once", "all"):
         stack.enter_context(_norm_once())
     if name in ("zero-known", "all"):

@@ -562,22 +562,21 @@ class DoraLinearLayer(nn.Module):
         def compute() -> torch.Tensor:
             return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
 
+        def own() -> torch.Tensor:
+            if self.training and dora_norm.norm_graph_applies(graph_weight, lora_A, lora_B):
+                # training forwards recompute the norm of the same tensors, updated in place: one graph launch each (a
+                # quantized weight's chunked dequantization and GEMMs too: the graph reads its packed storage and
+                # scales)
+                return reuse.graph.run(*dora_norm.graph_key((*sources, lora_A, lora_B), w_sq, scaling), compute)
+            return compute()
+
         if batched and self.training and type(self) is DoraLinearLayer and dora_batch.applies(weight, lora_A, lora_B):
-            # PEFT_DORA_NORM_BATCH=1: the norms of all of the device's members, once per forward pass
+            # PEFT_DORA_NORM_BATCH=1: the norms of all of the device's members, once per forward pass (a plain weight:
+            # the batch keys them as this layer's own graph would)
             tensors, extra = dora_norm.graph_key((weight, lora_A, lora_B), w_sq, scaling)
-
-            def fallback() -> torch.Tensor:
-                if dora_norm.norm_graph_applies(weight, lora_A, lora_B):
-                    return reuse.graph.run(tensors, extra, compute)
-                return compute()
-
             members = dora_batch.batch(weight.device)
-            return members.norm(self, tensors, extra, _member_norm(float(scaling), adapter_name), fallback)
-        if self.training and dora_norm.norm_graph_applies(graph_weight, lora_A, lora_B):
-            # training forwards recompute the norm of the same tensors, updated in place: one graph launch each (a
-            # quantized weight's chunked dequantization and GEMMs too: the graph reads its packed storage and scales)
-            return reuse.graph.run(*dora_norm.graph_key((*sources, lora_A, lora_B), w_sq, scaling), compute)
-        return compute()
+            return members.norm(self, tensors, extra, _member_norm(float(scaling), adapter_name), own)
+        return own()
 
     def _scale(self, weight_norm: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
         """g = m / max(w_norm, eps); without autograd (inference, frozen m) kept while m and the norm hold."""

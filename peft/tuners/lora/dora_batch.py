@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .dora_cache import _epoch, capturing, identity_tracked, norm_counts, storage_holds
+from .dora_graph import _key as _layout  # what a norm graph is keyed on: extra and the tensors' layout
 from .dora_graph import _pool_and_stream, graph_counts, same_objects
 from .dora_settings import current as settings
 
@@ -51,10 +52,6 @@ _pass = [0]  # bumped by every backward of a DoRA training node: values handed o
 def end_pass(*_args, **_kwargs) -> None:
     """A forward pass has ended (a DoRA training node's backward runs): no value computed before is taken."""
     _pass[0] += 1
-
-
-def _layout(tensors, extra) -> tuple:
-    return extra, [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors]
 
 
 def _versions(tensors) -> list:
@@ -91,7 +88,7 @@ class DeviceNorms:
         self.device = device
         self.members: dict = {}  # id(layer) -> _Member, in the order they joined
         self.graph, self.static, self.sizes = None, None, ()
-        self.waiting: dict = {}  # id(layer) -> (pass, epoch, tensor refs, versions, extra, value)
+        self.waiting: dict = {}  # id(layer) -> ((pass, epoch), tensor refs, versions, extra, value)
         self.changed = None  # (pass, epoch) in which the members last changed
         self.captures = 0
 
