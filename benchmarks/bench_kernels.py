@@ -155,6 +155,39 @@ def policy_sweep():
     return rows
 
 
+BAND_ROWS = (128, 256, 512, 1024, 2048, 4096)
+BAND_D_OUT = (1024, 4096, 14336)
+
+
+def band_sweep():
+    """The backward at few tokens (bf16, every gradient): d_m finished in the backward kernel's one band of narrow
+    column blocks (``min_block_n`` 16 or 32) against the two-stage sum (backward over row bands, then the column-sum
+    kernel): GPU time per call and the time per call of back-to-back calls, to choose ``SINGLE_BAND_ROWS`` and the
+    one band's policy from data."""
+    rows_out = []
+    saved = F.SINGLE_BAND_ROWS, F._SINGLE_BAND_MIN_BLOCK_N
+    try:
+        for tokens in BAND_ROWS:
+            for d_out in BAND_D_OUT:
+                d, inner = _acts(tokens, d_out, torch.bfloat16, 2)
+                g = 1 + 0.05 * torch.randn(d_out, device="cuda")
+                row = {"tokens": tokens, "d_out": d_out}
+                for name, single, min_n in (("two_stage", 0, 32), ("one_band_n32", 1 << 30, 32),
+                                            ("one_band_n16", 1 << 30, 16)):  # fmt: skip
+                    F.SINGLE_BAND_ROWS, F._SINGLE_BAND_MIN_BLOCK_N = single, min_n
+                    F._single_band_policy.cache_clear()
+                    fn = lambda: F._backward_triton(d, inner, g, 0.5, True, True, True)  # noqa: E731
+                    row[name + "_gpu_us"] = round(_time(fn, reps=50, warmup=10)["median_ms"] * 1e3, 2)
+                    # back-to-back calls: max(host, GPU) per call, what a host-bound step pays
+                    row[name + "_loop_us"] = round(loop_us(fn, torch.cuda.synchronize, 10, 5, 100)["median"], 2)
+                rows_out.append(row)
+                print(row, flush=True)
+    finally:
+        F.SINGLE_BAND_ROWS, F._SINGLE_BAND_MIN_BLOCK_N = saved
+        F._single_band_policy.cache_clear()
+    return rows_out
+
+
 def _junit_counts(path):
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
@@ -230,9 +263,13 @@ def main():
     parser.add_argument("--junit", help="pytest --junitxml file of the GPU test run, for the pass/fail counts")
     parser.add_argument("--sweep", action="store_true", help="also time launch-policy candidates")
     parser.add_argument("--merge-headline", metavar="JSON", help="only merge JSON's headline into headline.json")
+    parser.add_argument("--bands", metavar="JSON", help="only the backward's one-band vs two-stage sweep, to JSON")
     args = parser.parse_args()
     if args.merge_headline:
         print(json.dumps(merge_headline(args.merge_headline), indent=2))
+        return
+    if args.bands:
+        Path(args.bands).write_text(json.dumps({"env": _env(), "rows": band_sweep()}, indent=1) + "\n")
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

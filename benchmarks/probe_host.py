@@ -91,7 +91,7 @@ def probe(name: str):
     return stack
 
 
-def run_point(label: str, device, rounds: int, pairs: int, layers=None) -> dict:
+def run_point(label: str, device, rounds: int, pairs: int, layers=None, probes=PROBES) -> dict:
     cfg, point = point_spec(label)
     if layers:
         cfg["config_kwargs"]["num_hidden_layers"] = layers
@@ -109,9 +109,9 @@ def run_point(label: str, device, rounds: int, pairs: int, layers=None) -> dict:
         with mw.precision_ctx(point["mode"], device):
             return model(input_ids=ids, labels=labels, use_cache=False).loss
 
-    out: dict = {name: {"ratios": [], "dora_ms": [], "lora_ms": [], "tiers": {}} for name in PROBES}
+    out: dict = {name: {"ratios": [], "dora_ms": [], "lora_ms": [], "tiers": {}} for name in probes}
     for r in range(rounds):
-        order = PROBES[r % len(PROBES) :] + PROBES[: r % len(PROBES)]
+        order = probes[r % len(probes) :] + probes[: r % len(probes)]
         for name in order:
             for layer in model.modules():
                 layer.__dict__.pop("_probe_norm", None)
@@ -127,11 +127,11 @@ def run_point(label: str, device, rounds: int, pairs: int, layers=None) -> dict:
             out[name]["lora_ms"].append(round(rec["lora_median_ms"], 3))
             for tier, n in rec["tiers"].items():
                 out[name]["tiers"][tier] = out[name]["tiers"].get(tier, 0) + n
-    for name in PROBES:
+    for name in probes:
         out[name]["ratio_median"] = statistics.median(out[name]["ratios"])
     ref = out["none"]["ratio_median"]
     out["extra_removed_share"] = {
-        name: round((ref - out[name]["ratio_median"]) / (ref - 1.0), 3) if ref > 1.0 else None for name in PROBES[1:]
+        name: round((ref - out[name]["ratio_median"]) / (ref - 1.0), 3) if ref > 1.0 else None for name in probes[1:]
     }
     out["modules"] = sum(1 for m in model.modules() if hasattr(m, "lora_magnitude_vector"))
     mw.release(model, base)
@@ -145,8 +145,13 @@ def main() -> int:
     p.add_argument("--pairs", type=int, default=4, help="ABBA pairs per probe and round")
     p.add_argument("--device", default="cuda", help="cuda; cpu runs every code path (a smoke test, no timings)")
     p.add_argument("--layers", type=int, help="override the shape's decoder layers (a CPU smoke: 1)")
+    p.add_argument("--probes", default=",".join(PROBES), help="','-separated subset of the probes; 'none' always runs")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    unknown = set(args.probes.split(",")) - set(PROBES)
+    if unknown:
+        p.error(f"unknown probes {sorted(unknown)}; known: {', '.join(PROBES)}")
+    probes = ("none",) + tuple(n for n in PROBES[1:] if n in args.probes.split(","))
     import peft
 
     device = torch.device(args.device)
@@ -154,9 +159,9 @@ def main() -> int:
            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}  # fmt: skip
     result = {"env": env, "points": {}}
     for label in [s.strip() for s in args.points.split(";") if s.strip()]:
-        res = run_point(label, device, args.rounds, args.pairs, args.layers)
+        res = run_point(label, device, args.rounds, args.pairs, args.layers, probes)
         result["points"][label] = res
-        print(label, {n: res[n]["ratio_median"] for n in PROBES}, "removed", res["extra_removed_share"], flush=True)
+        print(label, {n: res[n]["ratio_median"] for n in probes}, "removed", res["extra_removed_share"], flush=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 

@@ -112,6 +112,18 @@ if HAS_TRITON:
         norm = tl.load(norm_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
         return tl.div_rn(mag, tl.where(norm < eps, eps, norm))
 
+    @triton.jit
+    def _finish_column_sum(total, mag_ptr, norm_ptr, cols, col_mask, eps, DIVIDE: tl.constexpr):
+        """d_m from the column sums (see ``_column_sum_kernel``): DIVIDE 0 as they are (d_g), 1 divided by
+        max(w_norm, eps), 2 (sums of (y - bias)·d_out) divided by m, 0 where m is 0."""
+        if DIVIDE == 1:
+            norm = tl.load(norm_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
+            total = tl.div_rn(total, tl.where(norm < eps, eps, norm))
+        elif DIVIDE == 2:
+            mag = tl.load(mag_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
+            total = tl.where(mag == 0.0, 0.0, tl.div_rn(total, tl.where(mag == 0.0, 1.0, mag)))
+        return total
+
     @Launcher
     @triton.jit
     def _output_kernel(
@@ -148,7 +160,7 @@ if HAS_TRITON:
         n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, stride_d_lora, stride_d_base, scale, eps,
         NEED_LORA: tl.constexpr, NEED_BASE: tl.constexpr, NEED_MAG: tl.constexpr, ONE_PASS: tl.constexpr,
         FROM_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_GS: tl.constexpr, SEPARATE_BASE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        DIVIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         """d_lora = g·(s·d_out), d_base = (g - 1)·d_out, and stage one of d_g: this program's column sums of
         inner·d_out over its ``rows_per_program`` rows, written to row ``pid // n_col_blocks`` of ``partial``.
@@ -158,8 +170,10 @@ if HAS_TRITON:
         column sum then divides by m). SEPARATE_BASE (with ONE_PASS): the output's base was an input of its own (the
         LoRA-dropout path), so d_base = (g - 1)·d_out is that input's gradient (``result``'s is d_out). WRITE_GS: the
         programs of the first band also store g·s per column to ``gs_ptr`` (fp32), for a caller that applies the LoRA
-        branch's scale to B instead of to d_out. A fixed tile order and a fixed in-register tree make the partial sums
-        bitwise repeatable (no atomics)."""
+        branch's scale to B instead of to d_out. DIVIDE >= 0: one band covers every row, so this program's column sums
+        are the whole sums: it finishes them as the column sum would with that DIVIDE and writes d_m (d_g) to
+        ``partial_ptr`` in its dtype, with no second launch; -1: stage one only. A fixed tile order and a fixed
+        in-register tree make the sums bitwise repeatable (no atomics)."""
         pid = tl.program_id(0).to(tl.int64)
         n_col_blocks = tl.cdiv(n_cols, BLOCK_N)
         band = pid // n_col_blocks
@@ -196,7 +210,12 @@ if HAS_TRITON:
                     inner = tl.where(mask, inner - bias, 0.0)
                 acc += inner * d_out
         if NEED_MAG:
-            tl.store(partial_ptr + band * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
+            total = tl.sum(acc, axis=0)
+            if DIVIDE < 0:
+                tl.store(partial_ptr + band * n_cols + cols, total, mask=col_mask)
+            else:
+                total = _finish_column_sum(total, g_ptr, norm_ptr, cols, col_mask, eps, DIVIDE)
+                tl.store(partial_ptr + cols, total.to(partial_ptr.dtype.element_ty), mask=col_mask)
 
     @Launcher
     @triton.jit
@@ -216,13 +235,7 @@ if HAS_TRITON:
             parts = start + tl.arange(0, BLOCK_P).to(tl.int64)
             mask = (parts[:, None] < n_parts) & col_mask[None, :]
             acc += tl.load(_at(partial_ptr, parts, cols, n_cols), mask=mask, other=0.0)
-        total = tl.sum(acc, axis=0)
-        if DIVIDE == 1:
-            norm = tl.load(norm_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
-            total = tl.div_rn(total, tl.where(norm < eps, eps, norm))
-        elif DIVIDE == 2:
-            mag = tl.load(norm_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
-            total = tl.where(mag == 0.0, 0.0, tl.div_rn(total, tl.where(mag == 0.0, 1.0, mag)))
+        total = _finish_column_sum(tl.sum(acc, axis=0), norm_ptr, norm_ptr, cols, col_mask, eps, DIVIDE)
         tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
     @Launcher
@@ -286,6 +299,23 @@ def _backward_rows_per_program(n_rows_bucket: int, n_col_blocks: int, block_m: i
     return -(-rows // block_m) * block_m
 
 
+# Up to this many rows (the host-bound steps: few tokens) the backward walks every row in one band of narrow column
+# blocks and finishes d_m itself: no partial buffer and no column-sum launch, a tenth or so of the host time DoRA's
+# backward adds per module there. About _SINGLE_BAND_PROGRAMS column blocks keep the GPU's SMs busy; above it the
+# two-stage sum spreads the rows over more programs.
+SINGLE_BAND_ROWS = 2048
+_SINGLE_BAND_PROGRAMS = 128
+_SINGLE_BAND_MIN_BLOCK_N = 32
+
+
+@functools.lru_cache(maxsize=64)
+def _single_band_policy(rows_bucket: int, cols_bucket: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the one-band backward: column blocks of ``_SINGLE_BAND_MIN_BLOCK_N`` to 512
+    columns, about ``_SINGLE_BAND_PROGRAMS`` of them, in 4096-element tiles."""
+    block_n = max(_SINGLE_BAND_MIN_BLOCK_N, min(512, cols_bucket // _SINGLE_BAND_PROGRAMS))
+    return max(1, min(4096 // block_n, rows_bucket)), block_n, 4
+
+
 @functools.lru_cache(maxsize=64)
 def _column_sum_policy(bands_bucket: int) -> tuple[int, int]:
     """(BLOCK_P, BLOCK_N) of the column sum: up to 64 bands per step in 4096-element tiles, so that each program
@@ -324,27 +354,39 @@ def _backward_triton(
     d_lora = torch.empty_like(d_out, memory_format=_CONTIGUOUS) if needs_lora_grad else None
     d_base = torch.empty_like(d_out, memory_format=_CONTIGUOUS) if needs_base_grad else None
     d_mag = torch.empty_like(g, memory_format=_CONTIGUOUS) if needs_mag_grad else None
-    block_m, block_n, warps = _policy(n_rows, n_cols)
-    n_col_blocks = _cdiv(n_cols, block_n)
-    rows_per_program = _backward_rows_per_program(_next_pow2(n_rows), n_col_blocks, block_m)
-    bands = _cdiv(n_rows, rows_per_program)
-    partial = torch.empty((bands, n_cols), dtype=torch.float32, device=d_out.device) if needs_mag_grad else d_out
     from_mag = norm is not None
     from_output = from_mag and from_output and needs_mag_grad
-    _backward_kernel[(bands * n_col_blocks,)](
+    divide = 2 if from_output else int(from_mag)
+    single = 0 < n_rows <= SINGLE_BAND_ROWS  # no tokens: no backward program, the column sum writes d_m = 0
+    if single:  # one band: the kernel finishes d_m
+        block_m, block_n, warps = _single_band_policy(_next_pow2(n_rows), _next_pow2(n_cols))
+        rows_per_program = max(block_m, _cdiv(n_rows, block_m) * block_m)
+        bands = 1
+    else:
+        block_m, block_n, warps = _policy(n_rows, n_cols)
+        rows_per_program = _backward_rows_per_program(_next_pow2(n_rows), _cdiv(n_cols, block_n), block_m)
+        bands = _cdiv(n_rows, rows_per_program)
+    if not needs_mag_grad:
+        partial = d_out
+    elif single:
+        partial = d_mag
+    else:
+        partial = torch.empty((bands, n_cols), dtype=torch.float32, device=d_out.device)
+    _backward_kernel[(bands * _cdiv(n_cols, block_n),)](
         d_out, inner if needs_mag_grad else d_out, g, norm if from_mag else g, g if bias is None else bias,
         d_lora if needs_lora_grad else d_out, d_base if needs_base_grad else d_out, partial,
         d_out if gs_out is None else gs_out,
         n_rows, n_cols, rows_per_program, stride_d_out, stride_inner, n_cols, n_cols, float(scale), float(eps),
         NEED_LORA=needs_lora_grad, NEED_BASE=needs_base_grad, NEED_MAG=needs_mag_grad, ONE_PASS=from_mag,
         FROM_OUTPUT=from_output, HAS_BIAS=from_output and bias is not None, WRITE_GS=gs_out is not None,
-        SEPARATE_BASE=separate_base, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
+        SEPARATE_BASE=separate_base, DIVIDE=divide if single else -1, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
-    if needs_mag_grad:
+    if needs_mag_grad and not single:
         block_p, block_n_sum = _column_sum_policy(_next_pow2(bands))
         _column_sum_kernel[(_cdiv(n_cols, block_n_sum),)](
             partial, d_mag, g if from_output else (norm if from_mag else partial), bands, n_cols, float(eps),
-            DIVIDE=2 if from_output else int(from_mag), BLOCK_P=block_p, BLOCK_N=block_n_sum,
+            DIVIDE=divide, BLOCK_P=block_p, BLOCK_N=block_n_sum,
         )  # fmt: skip
     return d_lora, d_base, d_mag
 

@@ -48,10 +48,19 @@ def test_compose_and_forward_inner(tokens, d_out, dtype):
     torch.testing.assert_close(in_place, out, rtol=0, atol=0)
 
 
+@pytest.fixture(params=("one_band", "two_stage"))
+def d_mag_sum(request, monkeypatch):
+    """The backward's d_m sums: finished in the backward kernel (one band, up to ``SINGLE_BAND_ROWS`` rows: every
+    case here) or by the column-sum kernel over row bands (as above it)."""
+    if request.param == "two_stage":
+        monkeypatch.setattr(F, "SINGLE_BAND_ROWS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d_out", D_OUT)
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_backward(tokens, d_out, dtype):
+def test_backward(tokens, d_out, dtype, d_mag_sum):
     lora, base, g = _inputs(tokens, d_out, dtype, seed=1)
     d_out_t = torch.randn(tokens, d_out).to(dtype)
     inner = F._forward_and_inner_torch(lora, base, g, SCALE)[1]
@@ -66,7 +75,7 @@ def test_backward(tokens, d_out, dtype):
 
 
 @pytest.mark.parametrize("tokens", (1, 300))
-def test_d_mag_is_bitwise_repeatable(tokens):
+def test_d_mag_is_bitwise_repeatable(tokens, d_mag_sum):
     lora, base, g = _inputs(tokens, 130, torch.bfloat16, seed=2)
     d_out_t = torch.randn(tokens, 130).to(torch.bfloat16)
     runs = [F._fused_backward(d_out_t, base, g, SCALE, False, False, True)[2] for _ in range(3)]
@@ -142,7 +151,7 @@ def _output_fp64(result, lora, bias, magnitude, norm, d_y):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d_out", (1, 123, 130))
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_output_kernel_forward_and_gradients(tokens, d_out, dtype, bias):
+def test_output_kernel_forward_and_gradients(tokens, d_out, dtype, bias, d_mag_sum):
     result, lora, b, magnitude, norm = _output_inputs(tokens, d_out, dtype, seed=4, bias=bias)
     d_y = torch.randn(tokens, d_out).to(dtype)
     want = _output_fp64(result, lora, b, magnitude, norm, d_y)
