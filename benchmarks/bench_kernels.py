@@ -162,10 +162,10 @@ BAND_D_OUT = (1024, 4096, 14336)
 def band_sweep():
     """The backward at few tokens (bf16, every gradient): d_m finished in the backward kernel's one band of narrow
     column blocks (``min_block_n`` 16 or 32) against the two-stage sum (backward over row bands, then the column-sum
-    kernel): GPU time per call and the time per call of back-to-back calls, to choose ``SINGLE_BAND_ROWS`` and the
+    kernel): GPU time per call and the time per call of back-to-back calls, to choose ``SINGLE_BAND_NUMEL`` and the
     one band's policy from data."""
     rows_out = []
-    saved = F.SINGLE_BAND_ROWS, F._SINGLE_BAND_MIN_BLOCK_N
+    saved = F.SINGLE_BAND_NUMEL, F._SINGLE_BAND_MIN_BLOCK_N
     try:
         for tokens in BAND_ROWS:
             for d_out in BAND_D_OUT:
@@ -174,7 +174,7 @@ def band_sweep():
                 row = {"tokens": tokens, "d_out": d_out}
                 for name, single, min_n in (("two_stage", 0, 32), ("one_band_n32", 1 << 30, 32),
                                             ("one_band_n16", 1 << 30, 16)):  # fmt: skip
-                    F.SINGLE_BAND_ROWS, F._SINGLE_BAND_MIN_BLOCK_N = single, min_n
+                    F.SINGLE_BAND_NUMEL, F._SINGLE_BAND_MIN_BLOCK_N = single, min_n
                     F._single_band_policy.cache_clear()
                     fn = lambda: F._backward_triton(d, inner, g, 0.5, True, True, True)  # noqa: E731
                     row[name + "_gpu_us"] = round(_time(fn, reps=50, warmup=10)["median_ms"] * 1e3, 2)
@@ -183,7 +183,7 @@ def band_sweep():
                 rows_out.append(row)
                 print(row, flush=True)
     finally:
-        F.SINGLE_BAND_ROWS, F._SINGLE_BAND_MIN_BLOCK_N = saved
+        F.SINGLE_BAND_NUMEL, F._SINGLE_BAND_MIN_BLOCK_N = saved
         F._single_band_policy.cache_clear()
     return rows_out
 

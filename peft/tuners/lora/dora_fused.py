@@ -299,11 +299,11 @@ def _backward_rows_per_program(n_rows_bucket: int, n_col_blocks: int, block_m: i
     return -(-rows // block_m) * block_m
 
 
-# Up to this many rows (the host-bound steps: few tokens) the backward walks every row in one band of narrow column
-# blocks and finishes d_m itself: no partial buffer and no column-sum launch, a tenth or so of the host time DoRA's
-# backward adds per module there. About _SINGLE_BAND_PROGRAMS column blocks keep the GPU's SMs busy; above it the
-# two-stage sum spreads the rows over more programs.
-SINGLE_BAND_ROWS = 2048
+# Up to this many gradient elements the backward walks every row in one band of narrow column blocks and finishes
+# d_m itself: no partial buffer and no column-sum launch. Back-to-back calls (bench_kernels.py --bands, H200,
+# results/bwd_bands.json, bf16): 25-36 µs per call against 41-46 for the two-stage sum from 128 x 1024 up to
+# 2048 x 4096 and 512 x 14336 elements; above 2^23 the one band is slower on the GPU (1024 x 14336: 58 against 43 µs).
+SINGLE_BAND_NUMEL = 1 << 23
 _SINGLE_BAND_PROGRAMS = 128
 _SINGLE_BAND_MIN_BLOCK_N = 32
 
@@ -357,7 +357,7 @@ def _backward_triton(
     from_mag = norm is not None
     from_output = from_mag and from_output and needs_mag_grad
     divide = 2 if from_output else int(from_mag)
-    single = 0 < n_rows <= SINGLE_BAND_ROWS  # no tokens: no backward program, the column sum writes d_m = 0
+    single = 0 < n_rows and n_rows * n_cols <= SINGLE_BAND_NUMEL  # no tokens: the column sum writes d_m = 0
     if single:  # one band: the kernel finishes d_m
         block_m, block_n, warps = _single_band_policy(_next_pow2(n_rows), _next_pow2(n_cols))
         rows_per_program = max(block_m, _cdiv(n_rows, block_m) * block_m)

@@ -50,10 +50,10 @@ def test_compose_and_forward_inner(tokens, d_out, dtype):
 
 @pytest.fixture(params=("one_band", "two_stage"))
 def d_mag_sum(request, monkeypatch):
-    """The backward's d_m sums: finished in the backward kernel (one band, up to ``SINGLE_BAND_ROWS`` rows: every
-    case here) or by the column-sum kernel over row bands (as above it)."""
+    """The backward's d_m sums: finished in the backward kernel (one band, up to ``SINGLE_BAND_NUMEL`` gradient
+    elements: every case here) or by the column-sum kernel over row bands (as above it)."""
     if request.param == "two_stage":
-        monkeypatch.setattr(F, "SINGLE_BAND_ROWS", 0)
+        monkeypatch.setattr(F, "SINGLE_BAND_NUMEL", 0)
     return request.param
 
 
