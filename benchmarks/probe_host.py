@@ -17,7 +17,9 @@ restored after each probe, so the next one starts from the same values:
   it launches any): the launches' host cost;
 * ``all``: the three together: what is left is the Python glue, the autograd node and the extra PyTorch ops;
 * ``norm-batch``: not a removal but ``PEFT_DORA_NORM_BATCH=1`` (``dora_batch``: a device's training norms computed
-  together once per forward pass), what it saves against ``none``.
+  together once per forward pass), what it saves against ``none``;
+* ``two-stage``: not a removal but the backward's d_m always summed in two stages (``SINGLE_BAND_NUMEL = 0``: the
+  backward kernel over row bands, then the column-sum kernel), as before the one-band backward: what that saves.
 
     PYTHONPATH=<ours> python benchmarks/probe_host.py --points "llama3b bf16 r16 seq512 b1 all drop0" \\
         --out $OUT/probe_host.json
@@ -42,7 +44,7 @@ from host_eager import first_norm_kept  # noqa: E402
 from profile_step import point_spec  # noqa: E402
 
 
-PROBES = ("none", "norm-once", "zero-known", "no-triton", "all", "norm-batch")
+PROBES = ("none", "norm-once", "zero-known", "no-triton", "all", "norm-batch", "two-stage")
 
 
 @contextlib.contextmanager
@@ -82,6 +84,10 @@ def probe(name: str):
     stack = contextlib.ExitStack()
     if name == "norm-batch":  # PEFT_DORA_NORM_BATCH=1 for this probe's pairs only
         stack.enter_context(dora_settings.override(norm_batch=True))
+    if name == "two-stage":
+        from peft.tuners.lora import dora_fused
+
+        stack.enter_context(_patched(dora_fused, "SINGLE_BAND_NUMEL", 0))
     if name in ("norm-once", "all"):
         stack.enter_context(_norm_once())
     if name in ("zero-known", "all"):

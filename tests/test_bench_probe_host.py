@@ -23,14 +23,14 @@ def test_probe_host_runs_every_probe_on_cpu(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     point = json.loads(out.read_text())["points"][label]
-    for probe in ("none", "norm-once", "zero-known", "no-triton", "all", "norm-batch"):
+    for probe in ("none", "norm-once", "zero-known", "no-triton", "all", "norm-batch", "two-stage"):
         assert len(point[probe]["ratios"]) == 1 and point[probe]["ratios"][0] > 0, point[probe]
         tiers = point[probe]["tiers"]
         kinds = {"fused_backward", "norm_computed", "norm_reused", "norm_batched"}
         assert tiers.get("fused_backward", 0) > 0 and set(tiers) <= kinds, tiers
     # the batch probe alone hands out batched norms
     assert point["norm-batch"]["tiers"].get("norm_batched", 0) > 0
-    assert all("norm_batched" not in point[p]["tiers"] for p in ("none", "norm-once", "zero-known", "no-triton"))
+    assert all("norm_batched" not in point[p]["tiers"] for p in ("none", "norm-once", "zero-known", "no-triton", "two-stage"))
     # the norm probe replaces the layers' norm for its own pairs only: the probes before and after it count norms
     assert "norm_computed" not in point["norm-once"]["tiers"] and "norm_computed" not in point["all"]["tiers"]
     assert point["none"]["tiers"]["norm_computed"] > 0 and point["zero-known"]["tiers"]["norm_computed"] > 0
