@@ -30,7 +30,8 @@ def test_probe_host_runs_every_probe_on_cpu(tmp_path):
         assert tiers.get("fused_backward", 0) > 0 and set(tiers) <= kinds, tiers
     # the batch probe alone hands out batched norms
     assert point["norm-batch"]["tiers"].get("norm_batched", 0) > 0
-    assert all("norm_batched" not in point[p]["tiers"] for p in ("none", "norm-once", "zero-known", "no-triton", "two-stage"))
+    others = ("none", "norm-once", "zero-known", "no-triton", "two-stage")
+    assert all("norm_batched" not in point[p]["tiers"] for p in others)
     # the norm probe replaces the layers' norm for its own pairs only: the probes before and after it count norms
     assert "norm_computed" not in point["norm-once"]["tiers"] and "norm_computed" not in point["all"]["tiers"]
     assert point["none"]["tiers"]["norm_computed"] > 0 and point["zero-known"]["tiers"]["norm_computed"] > 0
