@@ -686,7 +686,8 @@ class FusedDoRALinearFunction(torch.autograd.Function):
     def forward(ctx, result, a, weight_b, magnitude, weight_norm, bias, scale, eps, stride, known=None, base=None):
         """``stride``: ``dora_dispatch.branch_node_stride`` of these tensors, which the caller has checked is not
         None."""
-        lora = F.linear(a, weight_b.to(a.dtype))
+        # `.to` of a tensor already in the dtype returns it but costs a dispatch: asked only where the dtypes differ
+        lora = F.linear(a, weight_b if weight_b.dtype == a.dtype else weight_b.to(a.dtype))
         needs_mag = ctx.needs_input_grad[3]
         from_output = needs_mag and base is None and output_saves_itself(magnitude, known)
         out = _output_buffer(result, lora)
@@ -753,14 +754,14 @@ class FusedDoRALinearFunction(torch.autograd.Function):
                 d_lora = d_lora.to(a.dtype)
         if needs_a:
             if gs is None:
-                b_c = weight_b.to(a.dtype)
+                b_c = weight_b if weight_b.dtype == a.dtype else weight_b.to(a.dtype)
             else:
                 b_c = torch.mul(weight_b, gs, out=torch.empty_like(weight_b, dtype=a.dtype))
             d_a = torch.mm(d_lora, b_c).view(a.shape)
         if needs_b:
             d_b = torch.mm(d_lora.t(), a.reshape(-1, a.shape[-1]))
             if gs is None:
-                d_b = d_b.to(weight_b.dtype)
+                d_b = d_b if d_b.dtype == weight_b.dtype else d_b.to(weight_b.dtype)
             elif weight_b.dtype == torch.float32:
                 d_b = torch.mul(d_b, gs)  # promoted to fp32 by gs
             else:
