@@ -490,17 +490,47 @@ def decode_paired(model, cfg, rank, mode, device, pairs: int) -> dict:
     return out
 
 
+class GcWatch:
+    """The garbage collector's pauses while installed (``gc.callbacks``): their total ms and how many were full
+    (generation 2) collections. Observation only: the collector runs as it would in training."""
+
+    def __init__(self) -> None:
+        self.ms, self.full, self._t0 = 0.0, 0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self.full += info.get("generation") == 2
+            self._t0 = None
+
+    def __enter__(self) -> "GcWatch":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
 def alternate(measure_name: str, timings: dict, pairs: int, warmup: int = 1) -> dict:
     """A paired record: ``timings["dora"]()`` and ``timings["lora"]()`` (each returns ms) after ``warmup`` calls
-    each, then ``pairs`` times in ABBA order; DoRA's samples, LoRA's, and every pair's DoRA/LoRA ratio."""
+    each, then ``pairs`` times in ABBA order; DoRA's samples, LoRA's, every pair's DoRA/LoRA ratio, and per sample
+    the garbage collector's pause time and full collections during the call (``gc_ms``, ``gc_full``: a step's
+    outlier can be the collector walking the whole heap rather than DoRA or LoRA)."""
     for _ in range(warmup):  # compile, plans, caches, the norm graphs (captured on a layer's second training norm)
         for fn in timings.values():
             fn()
     times = {"dora": [], "lora": []}
+    gc_ms, gc_full = {"dora": [], "lora": []}, {"dora": [], "lora": []}
     counts0 = tier_counts()
-    for k in range(pairs):
-        for name in ("dora", "lora") if k % 2 == 0 else ("lora", "dora"):
-            times[name].append(timings[name]())
+    with GcWatch() as watch:
+        for k in range(pairs):
+            for name in ("dora", "lora") if k % 2 == 0 else ("lora", "dora"):
+                ms0, full0 = watch.ms, watch.full
+                times[name].append(timings[name]())
+                gc_ms[name].append(round(watch.ms - ms0, 3))
+                gc_full[name].append(watch.full - full0)
     ratios = [d / lo for d, lo in zip(times["dora"], times["lora"])]
     out = {"measure": measure_name, **summary(times["dora"])}
     out.update(
@@ -509,6 +539,8 @@ def alternate(measure_name: str, timings: dict, pairs: int, warmup: int = 1) -> 
         pair_ratios=[round(r, 4) for r in ratios],
         ratio_median=statistics.median(ratios),
         tiers=_delta(counts0, tier_counts()),
+        gc_ms=gc_ms,
+        gc_full=gc_full,
     )
     return out
 

@@ -258,3 +258,19 @@ def test_inference_keys_come_from_the_paired_forward_where_the_run_has_it():
     assert head["grid_worst_dora_over_lora_infer_bf16"] == pytest.approx(1.0)
     before = [r for r in records if r["measure"] != "infer_step_paired"]
     assert bench_model.headline_values(_grid_doc([a, b], before))["grid_worst_dora_over_lora_infer"] == 2.0
+
+
+def test_paired_record_keeps_the_collector_s_pauses_per_sample():
+    """``alternate`` records, per timed call, the garbage collector's pause time and full collections in it: a full
+    collection forced into every LoRA call shows on LoRA's side only."""
+    import gc
+
+    def lora():
+        gc.collect()
+        return 2.0
+
+    out = model_worker.alternate("probe", {"dora": lambda: 1.0, "lora": lora}, pairs=4, warmup=1)
+    assert out["pair_ratios"] == [0.5] * 4
+    assert out["gc_full"] == {"dora": [0, 0, 0, 0], "lora": [1, 1, 1, 1]}
+    assert all(ms > 0 for ms in out["gc_ms"]["lora"]) and len(out["gc_ms"]["dora"]) == 4
+    assert model_worker.GcWatch not in map(type, gc.callbacks)  # removed again
