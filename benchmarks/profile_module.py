@@ -129,7 +129,7 @@ def profile_shape(d_in, d_out, tokens, rank, dtype, device, pairs) -> dict:
         "norm (training forward)": lambda: dl._forward_norm(w, a_w, b_w, s, "default"),
         "LinearGates": lambda: dora_dispatch.LinearGates(result, mag, (x, a_w, b_w), True, True),
         "output node (B matmul + kernel)": lambda: dora_fused.FusedDoRALinearFunction.apply(
-            result, a, b_w, mag, norm, None, float(s), eps, stride, dl._reuse.zero_free
+            result, a, b_w, mag, None, (norm, None, float(s), eps, stride, dl._reuse.zero_free)
         ),
         "LoRA's tail (B matmul, scale, add)": lambda: result + F.linear(a, b_w) * s,
         "adapted_output": lambda: dl.adapted_output(

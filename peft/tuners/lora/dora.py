@@ -296,8 +296,7 @@ class DoraLinearLayer(nn.Module):
                     record(self, TIER_FUSED_BACKWARD)
                     eps = eps_for(weight.dtype)
                     return dora_fused.FusedDoRALinearFunction.apply(
-                        result, a, weight_b, magnitude, weight_norm, bias, float(scaling), eps, stride,
-                        zero_free,
+                        result, a, weight_b, magnitude, None, (weight_norm, bias, float(scaling), eps, stride, zero_free)
                     )  # fmt: skip
             lora = F.linear(a, weight_b)
 
@@ -379,8 +378,7 @@ class DoraLinearLayer(nn.Module):
             return None
         record(self, TIER_FUSED_BACKWARD)
         return dora_fused.FusedDoRALinearFunction.apply(
-            result, a, weight_b, magnitude, weight_norm, None, float(scaling), eps_for(weight.dtype), stride, None,
-            base,
+            result, a, weight_b, magnitude, base, (weight_norm, None, float(scaling), eps_for(weight.dtype), stride, None)
         )  # fmt: skip
 
     def _traced_output(self, x, result, weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name):

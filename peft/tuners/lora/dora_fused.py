@@ -683,9 +683,12 @@ class FusedDoRALinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, result, a, weight_b, magnitude, weight_norm, bias, scale, eps, stride, known=None, base=None):
-        """``stride``: ``dora_dispatch.branch_node_stride`` of these tensors, which the caller has checked is not
-        None."""
+    def forward(ctx, result, a, weight_b, magnitude, base, consts):
+        """``consts``: ``(weight_norm, bias, scale, eps, stride, known)``, what takes no gradient here, in one
+        argument (``Function.apply`` costs host time per argument); ``stride`` is
+        ``dora_dispatch.branch_node_stride`` of these tensors, which the caller has checked is not None, ``known``
+        the layer's zero-test memo. ``base``: the dropout path's ``W·dropout(x)``, else None."""
+        weight_norm, bias, scale, eps, stride, known = consts
         # `.to` of a tensor already in the dtype returns it but costs a dispatch: asked only where the dtypes differ
         lora = F.linear(a, weight_b if weight_b.dtype == a.dtype else weight_b.to(a.dtype))
         needs_mag = ctx.needs_input_grad[3]
@@ -712,11 +715,11 @@ class FusedDoRALinearFunction(torch.autograd.Function):
         if weight_b._version != ctx.versions[0] or magnitude._version != ctx.versions[1]:
             _check_version(weight_b, ctx.versions[0], "lora_B")
             _check_version(magnitude, ctx.versions[1], "magnitude")
-        needs_result, needs_a, needs_b, needs_mag = ctx.needs_input_grad[:4]
+        needs_result, needs_a, needs_b, needs_mag, needs_base = ctx.needs_input_grad[:5]
         separate = ctx.separate_base
         # the gradient the kernel (or its twin) writes beside d_lora: result's, g·d_y, or with the dropout path's own
         # base input that base's, (g - 1)·d_y (result's is then d_y itself)
-        needs_first = ctx.needs_input_grad[10] if separate else needs_result
+        needs_first = needs_base if separate else needs_result
         needs_branch = needs_a or needs_b
         d_out = d_y.shape[-1]
         layout = None
@@ -766,7 +769,7 @@ class FusedDoRALinearFunction(torch.autograd.Function):
                 d_b = torch.mul(d_b, gs)  # promoted to fp32 by gs
             else:
                 d_b = torch.mul(d_b, gs, out=torch.empty_like(weight_b))
-        return d_result, d_a, d_b, d_mag, None, None, None, None, None, None, d_base
+        return d_result, d_a, d_b, d_mag, d_base, None
 
 
 def _fused_backward(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad):
