@@ -295,9 +295,8 @@ class DoraLinearLayer(nn.Module):
                 if norm_operand(weight_norm, magnitude):
                     record(self, TIER_FUSED_BACKWARD)
                     eps = eps_for(weight.dtype)
-                    return dora_fused.FusedDoRALinearFunction.apply(
-                        result, a, weight_b, magnitude, None, (weight_norm, bias, float(scaling), eps, stride, zero_free)
-                    )  # fmt: skip
+                    consts = (weight_norm, bias, float(scaling), eps, stride, zero_free)
+                    return dora_fused.FusedDoRALinearFunction.apply(result, a, weight_b, magnitude, None, consts)
             lora = F.linear(a, weight_b)
 
         if factors is not None and gates.small(lora, result):
@@ -377,9 +376,8 @@ class DoraLinearLayer(nn.Module):
         if base.shape != result.shape or base.dtype not in KERNEL_DTYPES or not base.is_contiguous():
             return None
         record(self, TIER_FUSED_BACKWARD)
-        return dora_fused.FusedDoRALinearFunction.apply(
-            result, a, weight_b, magnitude, base, (weight_norm, None, float(scaling), eps_for(weight.dtype), stride, None)
-        )  # fmt: skip
+        consts = (weight_norm, None, float(scaling), eps_for(weight.dtype), stride, None)
+        return dora_fused.FusedDoRALinearFunction.apply(result, a, weight_b, magnitude, base, consts)
 
     def _traced_output(self, x, result, weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name):
         """The adapted output as torch.compile traces it, for a plain LoRA branch: ``g = m / norm`` scales B's rows
