@@ -464,11 +464,7 @@ class DoraLinearLayer(nn.Module):
             reuse_mode(self, sources),
             "norm",
             sources,
-            lambda: (
-                self._fresh_norm(weight, lora_A, lora_B, scaling, adapter_name, batched=True)
-                if batched
-                else self._fresh_norm(weight, lora_A, lora_B, scaling, adapter_name)
-            ),
+            lambda: self._fresh_norm(weight, lora_A, lora_B, scaling, adapter_name, batched=batched),
             extra=(*extra, _weight_versions(weight)),
         )
 

@@ -357,7 +357,8 @@ def _backward_triton(
     from_mag = norm is not None
     from_output = from_mag and from_output and needs_mag_grad
     divide = 2 if from_output else int(from_mag)
-    single = 0 < n_rows and n_rows * n_cols <= SINGLE_BAND_NUMEL  # no tokens: the column sum writes d_m = 0
+    # one band only where it saves the column sum (a frozen m has none to save); no tokens: the column sum writes 0
+    single = needs_mag_grad and 0 < n_rows and n_rows * n_cols <= SINGLE_BAND_NUMEL
     if single:  # one band: the kernel finishes d_m
         block_m, block_n, warps = _single_band_policy(_next_pow2(n_rows), _next_pow2(n_cols))
         rows_per_program = max(block_m, _cdiv(n_rows, block_m) * block_m)
