@@ -464,7 +464,12 @@ class DoraLinearLayer(nn.Module):
             reuse_mode(self, sources),
             "norm",
             sources,
-            lambda: self._fresh_norm(weight, lora_A, lora_B, scaling, adapter_name, batched=batched),
+            # the Embedding's and Conv's own _fresh_norm take no ``batched``: only the Linear's training node asks
+            lambda: (
+                self._fresh_norm(weight, lora_A, lora_B, scaling, adapter_name, batched=True)
+                if batched
+                else self._fresh_norm(weight, lora_A, lora_B, scaling, adapter_name)
+            ),
             extra=(*extra, _weight_versions(weight)),
         )
 
