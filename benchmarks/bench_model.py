@@ -442,6 +442,7 @@ def grid_config(args, cfg: dict) -> dict:
             "points": points,
             "decode": {"pairs": cfg["decode_paired"]["pairs"], "steps": GRID_DECODE["steps"]},
             "train_pairs": GRID_TRAIN_PAIRS,
+            "cached": True,  # the paired inference and decode also time DoRA under DoraCaching (issue 20, item 5)
         },
         "ranks": sorted({p["rank"] for p in points}),
         "measures": sorted({m for i in cfg["impls"] for m in grid_measures(cfg, i)}, key=GRID_RATIOS.index),
@@ -657,11 +658,12 @@ def point_cost_s(cfg: dict, point: dict, impl: str) -> float:
         total += reps * infer
     if "train_step_paired" in measures:  # two warm-up pairs, then the pairs
         total += (cfg["grid"]["train_pairs"] + 2) * 2 * train
-    if "infer_step_paired" in measures:  # two warm-up pairs, then the pairs
-        total += (cfg["grid"]["train_pairs"] + 2) * 2 * infer
-    if "decode_step_paired" in measures:  # a warm-up pair, then the pairs: each side prefills, then steps
+    sides = 3 if cfg["grid"].get("cached") else 2  # DoRA, LoRA (and DoRA under DoraCaching)
+    if "infer_step_paired" in measures:  # two warm-up rounds, then the pairs
+        total += (cfg["grid"]["train_pairs"] + 2) * sides * infer
+    if "decode_step_paired" in measures:  # a warm-up round, then the pairs: each side prefills, then steps
         decode_cfg = cfg["grid"]["decode"]
-        total += (decode_cfg["pairs"] + 1) * 2 * (infer + decode_cfg["steps"] * decode)
+        total += (decode_cfg["pairs"] + 1) * sides * (infer + decode_cfg["steps"] * decode)
     return total
 
 
@@ -735,7 +737,8 @@ def run_job(job: dict, cfg: dict, targets: dict, workdir: Path, timeout: float |
         spec["measures"] = grid_measures(cfg, name)
         points = job_points(cfg, job)
         models = {s: m for s, m in grid["models"].items() if any(p["shape"] == s for p in points)}
-        spec["grid"] = dict(models=models, points=points, decode=grid["decode"], train_pairs=grid["train_pairs"])
+        spec["grid"] = dict(models=models, points=points, decode=grid["decode"], train_pairs=grid["train_pairs"],
+                            cached=grid.get("cached", False))  # fmt: skip
     spec_path = workdir / f"spec_{tag}.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     Path(spec["result"]).unlink(missing_ok=True)
@@ -873,6 +876,10 @@ def collapse_rounds(records: list) -> list:
             merged["ratio_median"] = statistics.median(merged["pair_ratios"])
             merged["lora_median_ms"] = statistics.median(r["lora_median_ms"] for r in recs)
             merged.pop("lora_samples_ms", None)
+            for key in [k for k in merged if k.endswith("_ratios") and k != "pair_ratios"]:  # a third side's
+                if all(key in r for r in recs):
+                    merged[key] = [q for r in recs for q in r[key]]
+                    merged[key[:-1] + "_median"] = statistics.median(merged[key])
         out.append(merged)
     return out
 
@@ -1050,6 +1057,16 @@ def grid_headline_values(doc: dict) -> dict:
     speedups = [(r["speedup_vs_upstream_train"], where(r, "train")) for r in rows if r["speedup_vs_upstream_train"]]
     key = "grid_worst_speedup_vs_upstream_train"
     out[key], out[key + "_at"] = min(speedups) if speedups else (None, None)
+    for measure, name in (("infer_step_paired", "infer"), ("decode_step_paired", "decode")):
+        # DoraCaching on over off, same adapter and round (issue 20, item 5: never above 1 beyond noise)
+        cached = [
+            (round(r["cached_over_dora_ratio_median"], 4), r["point"])
+            for r in doc.get("speed", [])
+            if r["impl"] == "ours_fused" and r["measure"] == measure and "cached_over_dora_ratio_median" in r
+        ]
+        if cached:
+            key = f"grid_worst_cached_over_uncached_{name}"
+            out[key], out[key + "_at"] = max(cached)
     out["grid_gpu"] = (doc.get("env") or {}).get("gpu")
     return out
 

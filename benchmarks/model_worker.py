@@ -517,16 +517,20 @@ def alternate(measure_name: str, timings: dict, pairs: int, warmup: int = 1) -> 
     """A paired record: ``timings["dora"]()`` and ``timings["lora"]()`` (each returns ms) after ``warmup`` calls
     each, then ``pairs`` times in ABBA order; DoRA's samples, LoRA's, every pair's DoRA/LoRA ratio, and per sample
     the garbage collector's pause time and full collections during the call (``gc_ms``, ``gc_full``: a step's
-    outlier can be the collector walking the whole heap rather than DoRA or LoRA)."""
+    outlier can be the collector walking the whole heap rather than DoRA or LoRA). Any further side (e.g.
+    ``"cached"``: DoRA under ``DoraCaching``) takes its turn in every round too (the order reversed every other
+    round) and adds ``{side}_samples_ms``, ``{side}_median_ms``, its ratio to LoRA of the same round
+    (``{side}_ratios``, ``{side}_ratio_median``) and to DoRA's (``{side}_over_dora_ratios``, ``..._median``)."""
+    names = ["dora", "lora", *(n for n in timings if n not in ("dora", "lora"))]
     for _ in range(warmup):  # compile, plans, caches, the norm graphs (captured on a layer's second training norm)
-        for fn in timings.values():
-            fn()
-    times = {"dora": [], "lora": []}
-    gc_ms, gc_full = {"dora": [], "lora": []}, {"dora": [], "lora": []}
+        for name in names:
+            timings[name]()
+    times = {name: [] for name in names}
+    gc_ms, gc_full = {name: [] for name in names}, {name: [] for name in names}
     counts0 = tier_counts()
     with GcWatch() as watch:
         for k in range(pairs):
-            for name in ("dora", "lora") if k % 2 == 0 else ("lora", "dora"):
+            for name in names if k % 2 == 0 else names[::-1]:
                 ms0, full0 = watch.ms, watch.full
                 times[name].append(timings[name]())
                 gc_ms[name].append(round(watch.ms - ms0, 3))
@@ -542,6 +546,13 @@ def alternate(measure_name: str, timings: dict, pairs: int, warmup: int = 1) -> 
         gc_ms=gc_ms,
         gc_full=gc_full,
     )
+    for name in names[2:]:
+        out[f"{name}_samples_ms"] = [round(t, 4) for t in times[name]]
+        out[f"{name}_median_ms"] = statistics.median(times[name])
+        for against in ("lora", "dora"):
+            ratios = [round(t / o, 4) for t, o in zip(times[name], times[against])]
+            key = f"{name}_ratios" if against == "lora" else f"{name}_over_dora_ratios"
+            out[key], out[key[:-1] + "_median"] = ratios, statistics.median(ratios)
     return out
 
 
@@ -636,14 +647,16 @@ def compiled_pairs(model, cfg, rank: int, mode: str, device, spec: dict, records
                   f"({r['median_ms']:.2f} vs {r['lora_median_ms']:.2f} ms)", flush=True)  # fmt: skip
 
 
-def decode_step_paired(model, cfg, point: dict, device, pairs: int, steps: int) -> dict:
+def decode_step_paired(model, cfg, point: dict, device, pairs: int, steps: int, cached: bool = False) -> dict:
     """1-token decode of the DoRA adapter against a plain-LoRA twin adapter on the same base model (same seeded A and
     B; this package's LoRA path, which the overlay leaves as upstream's), in ABBA pairs (:func:`alternate`). Each
     side prefills the point's batch and sequence into a fresh KV cache (untimed), then times ``steps`` forwards of one
     token that extend it; a pair's ratio is that of the two medians. Every call decodes at the same cache lengths:
     the first forward at a length the process has not seen costs ~20-45 ms more (H100 and H200, either adapter), so
     a cache grown across calls made whichever side ran first in a pair the slow one. Decode is host-bound, and
-    subprocesses minutes apart see different host speeds; two adapters timed back to back see the same."""
+    subprocesses minutes apart see different host speeds; two adapters timed back to back see the same. ``cached``:
+    a third side, the DoRA adapter under ``peft.helpers.DoraCaching`` (its prefill computes the norm, the steps
+    reuse it), in every round (:func:`alternate`'s ``cached_*`` fields)."""
     mode = point["mode"]
     add_lora_twin(model, cfg, point)
     model.eval()
@@ -651,22 +664,32 @@ def decode_step_paired(model, cfg, point: dict, device, pairs: int, steps: int) 
     token, timer, kv = ids[:, :1], Timer(device), cache_kwarg(model)
 
     @torch.no_grad()
-    def step_ms(adapter: str) -> float:
+    def step_ms(adapter: str, caching=contextlib.nullcontext) -> float:
         from transformers import DynamicCache
 
         model.set_adapter(adapter)
         cache, times = DynamicCache(config=model.config), []
-        with precision_ctx(mode, device):
+        with precision_ctx(mode, device), caching():
             model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kv: cache})
             for _ in range(steps):
                 with timer.region(times):
                     model(input_ids=token, use_cache=True, **{kv: cache})
         return statistics.median(times)
 
-    out = alternate("decode_step_paired", {"dora": lambda: step_ms("default"), "lora": lambda: step_ms(TWIN)}, pairs)
+    sides = {"dora": lambda: step_ms("default"), "lora": lambda: step_ms(TWIN)}
+    if cached:
+        sides["cached"] = lambda: step_ms("default", dora_caching())
+    out = alternate("decode_step_paired", sides, pairs)
     model.set_adapter("default")
     model.train()
     return out
+
+
+def dora_caching():
+    """``peft.helpers.DoraCaching`` (upstream's and ours alike), as a context-manager factory."""
+    from peft.helpers import DoraCaching
+
+    return DoraCaching
 
 
 def add_lora_twin(model, cfg, point: dict) -> None:
@@ -741,13 +764,14 @@ def train_pairs(model, adapters: dict, loss, device, pairs: int, warmup: int, lr
     return out, proofs
 
 
-def infer_step_paired(model, cfg, point: dict, device, pairs: int, forward=None) -> dict:
+def infer_step_paired(model, cfg, point: dict, device, pairs: int, forward=None, cached: bool = False) -> dict:
     """The inference forward (eval, no autograd, the point's batch and sequence) of the DoRA adapter against a
     plain-LoRA twin adapter on the same base model (:func:`add_lora_twin`), in ABBA pairs (:func:`alternate`, two
     warm-up calls per side). At the grid's small points the forward is host-bound: the ``infer`` records of the DoRA
     and LoRA subprocesses land in different phases of a host whose speed drifts by up to 2x within a minute (one
     profiled LoRA forward took 9.6 and 13.1 ms seconds apart, qwen1.5b r8 seq 512, H100 machine), two forwards back
-    to back share one. ``forward`` as for :func:`train_step_paired`."""
+    to back share one. ``forward`` as for :func:`train_step_paired`. ``cached``: a third side, the DoRA adapter under
+    ``peft.helpers.DoraCaching`` (the norm of its first cached forward kept until ``train()``)."""
     add_lora_twin(model, cfg, point)
     forward = model if forward is None else forward
     model.eval()
@@ -755,15 +779,17 @@ def infer_step_paired(model, cfg, point: dict, device, pairs: int, forward=None)
     timer = Timer(device)
 
     @torch.no_grad()
-    def forward_ms(adapter: str) -> float:
+    def forward_ms(adapter: str, caching=contextlib.nullcontext) -> float:
         model.set_adapter(adapter)
         times: list = []
-        with timer.region(times), precision_ctx(point["mode"], device):
+        with timer.region(times), precision_ctx(point["mode"], device), caching():
             forward(input_ids=ids, use_cache=False)
         return times[0]
 
-    out = alternate("infer_step_paired", {"dora": lambda: forward_ms("default"), "lora": lambda: forward_ms(TWIN)},
-                    pairs, warmup=2)  # fmt: skip
+    sides = {"dora": lambda: forward_ms("default"), "lora": lambda: forward_ms(TWIN)}
+    if cached:
+        sides["cached"] = lambda: forward_ms("default", dora_caching())
+    out = alternate("infer_step_paired", sides, pairs, warmup=2)
     model.set_adapter("default")
     model.train()
     return out
@@ -804,9 +830,13 @@ def grid_shape(spec, impl, device, cfg: dict, points: list, records: list, error
             if "train_step_paired" in measures:
                 res["train_step_paired"] = train_step_paired(model, pcfg, point, device, grid["train_pairs"])
             if "infer_step_paired" in measures:
-                res["infer_step_paired"] = infer_step_paired(model, pcfg, point, device, grid["train_pairs"])
+                res["infer_step_paired"] = infer_step_paired(
+                    model, pcfg, point, device, grid["train_pairs"], cached=grid.get("cached", False)
+                )
             if "decode_step_paired" in measures:
-                res["decode_step_paired"] = decode_step_paired(model, pcfg, point, device, **grid["decode"])
+                res["decode_step_paired"] = decode_step_paired(
+                    model, pcfg, point, device, **grid["decode"], cached=grid.get("cached", False)
+                )
             where = {k: point[k] for k in ("mode", "rank", "shape", "seq", "batch", "targets", "dropout")}
             for name, r in res.items():
                 records.append({"impl": impl["name"], "point": point["label"], **where, **r, "measure": name})

@@ -4,6 +4,7 @@ headline, and the gradient proof that every timed training step must pass."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 import pytest
@@ -274,3 +275,34 @@ def test_paired_record_keeps_the_collector_s_pauses_per_sample():
     assert out["gc_full"] == {"dora": [0, 0, 0, 0], "lora": [1, 1, 1, 1]}
     assert all(ms > 0 for ms in out["gc_ms"]["lora"]) and len(out["gc_ms"]["dora"]) == 4
     assert model_worker.GcWatch not in map(type, gc.callbacks)  # removed again
+
+
+def test_a_third_side_runs_in_every_round_and_gives_its_own_ratios():
+    """``alternate`` with a ``cached`` side (DoRA under DoraCaching): it runs in every round, the order reversed every
+    other round, and the record keeps its ratios to LoRA and to DoRA of the same round, which the grid headline's
+    ``grid_worst_cached_over_uncached_*`` keys take the worst of; the DoRA/LoRA fields stay those of two sides."""
+    order = []
+
+    def side(name, ms):
+        return lambda: order.append(name) or ms
+
+    out = model_worker.alternate(
+        "probe", {"dora": side("d", 3.0), "lora": side("l", 2.0), "cached": side("c", 1.5)}, pairs=2, warmup=0
+    )
+    assert "".join(order) == "dlccld"
+    assert out["pair_ratios"] == [1.5, 1.5] and out["cached_samples_ms"] == [1.5, 1.5]
+    assert out["cached_ratios"] == [0.75, 0.75] and out["cached_ratio_median"] == 0.75
+    assert out["cached_over_dora_ratios"] == [0.5, 0.5] and out["cached_over_dora_ratio_median"] == 0.5
+    assert set(out["gc_ms"]) == {"dora", "lora", "cached"}
+
+    a = _point("llama1b", "autocast", 8)
+    b = _point("llama8b", "bf16", 64)
+    records = []
+    for point, cached in ((a, [[0.9, 0.8], [0.95]]), (b, [[1.0, 1.04], [1.06]])):
+        records += _point_records(point, ours=[11.0, 11.0], lora=[10.0, 10.0], upstream=20.0, decode=[1.0])
+        for rec, ratios in zip([r for r in records if r["measure"] == "decode_step_paired"][-2:], cached):
+            rec.update(cached_over_dora_ratios=ratios, cached_over_dora_ratio_median=statistics.median(ratios))
+    head = bench_model.headline_values(_grid_doc([a, b], records))  # the rounds' ratios merged: b's median 1.04
+    assert head["grid_worst_cached_over_uncached_decode"] == 1.04
+    assert head["grid_worst_cached_over_uncached_decode_at"] == b["label"]
+    assert "grid_worst_cached_over_uncached_infer" not in head  # no paired forward with a cached side here
