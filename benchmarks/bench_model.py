@@ -218,7 +218,8 @@ def parse_args(argv=None):
     a("--ranks", help="comma list (default 64,384,768; tiny 4,8)")
     a(
         "--impls",
-        help=f"comma list of {', '.join(IMPLS)} (default {','.join(DEFAULT_IMPLS)}; grid {','.join(GRID_IMPLS)})",
+        help=f"comma list of {', '.join(IMPLS)} (default {','.join(DEFAULT_IMPLS)}; grid and --compile "
+        f"{','.join(GRID_IMPLS)})",
     )
     a("--modes", default=",".join(MODES), help="comma list of autocast, bf16")
     a(
@@ -332,7 +333,7 @@ def resolve_config(args) -> dict:
     )
     ranks = _ints(args.ranks) if args.ranks else ([4, 8] if tiny else [64, 384, 768])
     headline_rank = pick(args.headline_rank, 384, 8)
-    tasks = _names(args.tasks or ("speed" if grid else "speed,fidelity,convergence"), TASKS)
+    tasks = _names(args.tasks or ("speed" if grid or args.compile else "speed,fidelity,convergence"), TASKS)
     tasks += ["profile"] if args.profile and "profile" not in tasks else []
     if grid and (tasks != ["speed"] or args.measures or args.ranks or args.compile):
         raise SystemExit("--grid runs the speed task on its own points and measures: leave --tasks, --profile, "
@@ -371,7 +372,8 @@ def resolve_config(args) -> dict:
         },
         "lora": {"lora_alpha": "r/2", "use_rslora": True, "targets": "q,k,v,o,gate,up,down"},
         "ranks": ranks,
-        "impls": _names(args.impls or ",".join(GRID_IMPLS if grid else DEFAULT_IMPLS), IMPLS),
+        # under --compile both of ours trace the same PyTorch output (the fused tiers are off): ours_fused only
+        "impls": _names(args.impls or ",".join(GRID_IMPLS if grid or args.compile else DEFAULT_IMPLS), IMPLS),
         "modes": _names(args.modes, MODES),
         "measures": measures,
         "tasks": tasks,

@@ -213,3 +213,12 @@ def test_compiled_keys_come_from_the_pairs_with_a_compiled_lora_twin():
     assert bench_model.headline_values(_compiled_doc(separate))["compiled_dora_over_lora_infer"] == pytest.approx(1.1)
     more = separate + [dict(r, rank=64) for r in separate] + [_pair("infer_step_paired", [1.0], 0)]
     assert bench_model.headline_values(_compiled_doc(more, ranks=(8, 64)))["compiled_dora_over_lora_infer"] is None
+
+
+def test_compile_runs_the_speed_task_of_upstream_ours_fused_and_lora_by_default():
+    """``--compile`` alone is a valid run: the speed task only (the others refuse compile) and no ``ours_eager``
+    (under torch.compile both of ours trace the same PyTorch output), unless asked for."""
+    cfg = bench_model.resolve_config(bench_model.parse_args(["--compile", "default", "--ranks", "8"]))
+    assert cfg["tasks"] == ["speed"] and cfg["impls"] == ["upstream", "ours_fused", "lora"]
+    asked = bench_model.parse_args(["--compile", "default", "--impls", "ours_eager,lora", "--tasks", "speed"])
+    assert bench_model.resolve_config(asked)["impls"] == ["ours_eager", "lora"]
