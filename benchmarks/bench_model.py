@@ -878,8 +878,10 @@ def collapse_rounds(records: list) -> list:
             merged["ratio_median"] = statistics.median(merged["pair_ratios"])
             merged["lora_median_ms"] = statistics.median(r["lora_median_ms"] for r in recs)
             merged.pop("lora_samples_ms", None)
-            for key in [k for k in merged if k.endswith("_ratios") and k != "pair_ratios"]:  # a third side's
-                if all(key in r for r in recs):
+            for side in [k[: -len("_samples_ms")] for k in merged if k.endswith("_samples_ms")]:  # a third side
+                merged.pop(f"{side}_samples_ms")  # as LoRA's: the median of the rounds' medians, every pair's ratio
+                merged[f"{side}_median_ms"] = statistics.median(r[f"{side}_median_ms"] for r in recs)
+                for key in (f"{side}_ratios", f"{side}_over_dora_ratios"):
                     merged[key] = [q for r in recs for q in r[key]]
                     merged[key[:-1] + "_median"] = statistics.median(merged[key])
         out.append(merged)

@@ -678,18 +678,13 @@ def decode_step_paired(model, cfg, point: dict, device, pairs: int, steps: int, 
 
     sides = {"dora": lambda: step_ms("default"), "lora": lambda: step_ms(TWIN)}
     if cached:
-        sides["cached"] = lambda: step_ms("default", dora_caching())
+        from peft.helpers import DoraCaching
+
+        sides["cached"] = lambda: step_ms("default", DoraCaching)
     out = alternate("decode_step_paired", sides, pairs)
     model.set_adapter("default")
     model.train()
     return out
-
-
-def dora_caching():
-    """``peft.helpers.DoraCaching`` (upstream's and ours alike), as a context-manager factory."""
-    from peft.helpers import DoraCaching
-
-    return DoraCaching
 
 
 def add_lora_twin(model, cfg, point: dict) -> None:
@@ -788,7 +783,9 @@ def infer_step_paired(model, cfg, point: dict, device, pairs: int, forward=None,
 
     sides = {"dora": lambda: forward_ms("default"), "lora": lambda: forward_ms(TWIN)}
     if cached:
-        sides["cached"] = lambda: forward_ms("default", dora_caching())
+        from peft.helpers import DoraCaching
+
+        sides["cached"] = lambda: forward_ms("default", DoraCaching)
     out = alternate("infer_step_paired", sides, pairs, warmup=2)
     model.set_adapter("default")
     model.train()

@@ -301,8 +301,15 @@ def test_a_third_side_runs_in_every_round_and_gives_its_own_ratios():
     for point, cached in ((a, [[0.9, 0.8], [0.95]]), (b, [[1.0, 1.04], [1.06]])):
         records += _point_records(point, ours=[11.0, 11.0], lora=[10.0, 10.0], upstream=20.0, decode=[1.0])
         for rec, ratios in zip([r for r in records if r["measure"] == "decode_step_paired"][-2:], cached):
-            rec.update(cached_over_dora_ratios=ratios, cached_over_dora_ratio_median=statistics.median(ratios))
-    head = bench_model.headline_values(_grid_doc([a, b], records))  # the rounds' ratios merged: b's median 1.04
+            samples = [10.0 * q for q in ratios]  # DoRA and LoRA took 10 ms in these records
+            rec.update(cached_samples_ms=samples, cached_median_ms=statistics.median(samples), cached_ratios=ratios,
+                       cached_ratio_median=statistics.median(ratios), cached_over_dora_ratios=ratios,
+                       cached_over_dora_ratio_median=statistics.median(ratios))  # fmt: skip
+    doc = _grid_doc([a, b], records)
+    merged = next(r for r in doc["speed"] if r["measure"] == "decode_step_paired" and r["point"] == b["label"])
+    assert merged["cached_over_dora_ratios"] == [1.0, 1.04, 1.06] and "cached_samples_ms" not in merged
+    assert merged["cached_median_ms"] == pytest.approx(10.4)  # of the rounds' medians 10.2 and 10.6, as LoRA's
+    head = bench_model.headline_values(doc)  # the rounds' ratios merged: b's median 1.04
     assert head["grid_worst_cached_over_uncached_decode"] == 1.04
     assert head["grid_worst_cached_over_uncached_decode_at"] == b["label"]
     assert "grid_worst_cached_over_uncached_infer" not in head  # no paired forward with a cached side here
