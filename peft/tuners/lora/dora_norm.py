@@ -18,14 +18,25 @@ implementations runs (PyTorch, the one-pass and split Triton norms, a CUDA graph
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
 from torch import nn
 
 from . import dora_norm_triton
-from .dora_cache import capturing, identity_tracked, memoised, storage_graph, storage_memo
+from .dora_cache import (
+    _epoch,
+    _merge_epoch,
+    capturing,
+    identity_tracked,
+    memoised,
+    norm_counts,
+    storage_graph,
+    storage_memo,
+)
 from .dora_dispatch import records_grad
+from .dora_graph import graph_counts
 from .dora_launch import INTERPRET
 from .dora_settings import current as settings
 from .dora_settings import get_dora_norm_threshold_bytes
@@ -329,11 +340,18 @@ def _weight_norm_op(
     ``reuse`` is ``reuse_mode``'s answer at trace time (0 never, 1 in a checkpoint recompute, 2 across forwards);
     ``frozen``: ``W`` takes no gradient, so its ``||W||²`` outlives optimizer steps. The graph passes aliases of the
     parameters, so values are kept by storage (``dora_cache.StorageMemo``); the op returns a copy, which the compiled
-    graph may reuse as scratch space. Nothing is kept on a side stream (see ``_on_default_stream``).
+    graph may reuse as scratch space. Nothing is kept on a side stream (see ``_on_default_stream``). Inductor passes
+    the parameters themselves, the same objects every call: those calls are answered by their :class:`_OpRecord`.
     """
     sources = (weight, lora_A, lora_B)
+    record = _op_records.get((id(weight), id(lora_A), id(lora_B)))  # only for objects that pass ``keep`` below
+    if record is not None and reuse and _on_default_stream(weight) and not capturing(sources):
+        out = record.answer(weight, lora_A, lora_B, scale, reuse, frozen)
+        if out is not None:
+            return out
     keep = _on_default_stream(weight) and not any(t.is_inference() for t in sources)  # no version counters
     mode = _REUSE_MODES[reuse] if keep else None
+    used = [None, None]  # the norm graph and the kept ||W||² the computation below went through, if any
 
     def compute() -> torch.Tensor:
         w_sq = None
@@ -349,11 +367,108 @@ def _weight_norm_op(
         # a training forward, as in eager ones (``dora_graph``): one graph launch instead of the norm's launches and
         # their Python, which in a compiled step is host time on the forward's critical path (H100, 4-layer Llama-8B
         # shape, r = 16: the compiled forward's host time went to 6x compiled LoRA's, and the step waited on it)
-        return storage_graph(sources).run(*graph_key(sources, w_sq, scale), norm)
+        graph = storage_graph(sources)
+        used[:] = graph, w_sq
+        return graph.run(*graph_key(sources, w_sq, scale), norm)
 
     if mode is None:
         return compute()
-    return memoised(storage_memo("norm", sources), mode, "norm", sources, compute, extra=scale).clone()
+    value = memoised(storage_memo("norm", sources), mode, "norm", sources, compute, extra=scale)
+    if not capturing(sources) and identity_tracked(sources):
+        _record(sources, scale, frozen, value, *used)
+    return value.clone()
+
+
+class _OpRecord:
+    """What the norm op last returned for one triple of parameter objects, and how it computed it.
+
+    Inductor hands the op the parameters themselves, the same objects in every call. For those, the storage-keyed
+    memos above (a table entry, a key of seven fields per tensor, weak references to the storages) cost more host
+    time per call than the rest of a compiled DoRA Linear's forward (a CPU: ~30 of its ~40 µs over compiled LoRA's,
+    ``benchmarks/host_compiled.py``). A record answers a call with the very same objects, data pointers, layout,
+    dtypes and scaling from a few attribute reads, under the memos' own rules: the kept norm while the versions and
+    the epoch are those it was computed at (across forwards for ``reuse`` 2, in the backward's recompute for 1),
+    else, in a training forward, one replay of the norm graph the last computation went through, whose ``||W||²``
+    (if it reads one) is valid while ``W``'s version and the merge epoch are unchanged. Anything else (another
+    object, layout, scaling, settings or ``frozen``; no graph captured yet) takes the memos' path, which records
+    again. The records live in ``_op_records``, keyed by the objects' ids and checked against weak references."""
+
+    __slots__ = ("refs", "layout", "value", "state", "inference", "graph", "graph_state", "__weakref__")
+
+    @staticmethod
+    def _layout(weight, lora_A, lora_B, scale) -> tuple:
+        return (
+            weight.data_ptr(),
+            lora_A.data_ptr(),
+            lora_B.data_ptr(),
+            weight.shape,
+            lora_A.shape,
+            lora_B.shape,
+            weight.stride(),
+            lora_A.stride(),
+            lora_B.stride(),
+            weight.dtype,
+            lora_A.dtype,
+            lora_B.dtype,
+            scale,
+        )  # fmt: skip  (a move to another device is a new data pointer)
+
+    def answer(self, weight, lora_A, lora_B, scale, reuse, frozen) -> Optional[torch.Tensor]:
+        refs = self.refs
+        if refs[0]() is not weight or refs[1]() is not lora_A or refs[2]() is not lora_B:
+            return None
+        if self._layout(weight, lora_A, lora_B, scale) != self.layout:
+            return None
+        state = (weight._version, lora_A._version, lora_B._version, _epoch[0])
+        if reuse == 2 or torch._C._current_graph_task_id() != -1:
+            if state == self.state and (not self.inference or torch.is_inference_mode_enabled()):
+                norm_counts["norm_reused"] += 1
+                return self.value.clone()
+            if reuse == 2:
+                return None
+        if self.graph is None:
+            return None
+        w_sq_state = None if self.graph_state[2] is None else (weight._version, _merge_epoch[0])
+        if (settings(), frozen, w_sq_state) != self.graph_state:
+            return None
+        norm_counts["norm_computed"] += 1
+        if w_sq_state is not None:
+            norm_counts["w_sq_reused"] += 1
+        graph, out, _w_sq = self.graph
+        graph.replay()
+        graph_counts["replayed"] += 1
+        self.value, self.state, self.inference = out.clone(), state, torch.is_inference_mode_enabled()
+        return self.value.clone()
+
+
+_op_records: dict = {}  # (id(W), id(A), id(B)) -> _OpRecord; dropped when one of the three objects dies
+
+
+def _record(sources: tuple, scale: float, frozen: bool, value: torch.Tensor, graph, w_sq) -> None:
+    """Keep what the memos' path returned for these objects for :meth:`_OpRecord.answer`: the value, and where it
+    came from a captured norm graph, that graph's CUDA graph, output buffer and ``||W||²`` operand, held here (the
+    graph's table entry may capture anew for other tensors; the CUDA graph reads the addresses it captured, which
+    are these objects' while their data pointers are, and the ``||W||²`` held here)."""
+    weight, lora_A, lora_B = sources
+    key = (id(weight), id(lora_A), id(lora_B))
+
+    record = _OpRecord()
+    mine = weakref.ref(record)
+
+    def drop(_ref) -> None:  # one of the objects died: its id may be taken by a new object, with a record of its own
+        kept = mine()
+        if kept is not None and _op_records.get(key) is kept:
+            del _op_records[key]
+
+    record.refs = tuple(weakref.ref(t, drop) for t in sources)
+    record.layout = _OpRecord._layout(weight, lora_A, lora_B, scale)
+    record.value, record.inference = value, value.is_inference()
+    record.state = (weight._version, lora_A._version, lora_B._version, _epoch[0])
+    captured = graph is not None and graph.graph is not None and not graph.failed
+    record.graph = (graph.graph, graph.out, w_sq) if captured else None
+    w_sq_state = None if w_sq is None else (weight._version, _merge_epoch[0])
+    record.graph_state = (settings(), frozen, w_sq_state)
+    _op_records[key] = record
 
 
 def _on_default_stream(t: torch.Tensor) -> bool:

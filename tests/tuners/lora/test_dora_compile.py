@@ -7,6 +7,7 @@ below compiles with ``aot_eager`` (the autograd graph without Inductor's code ge
 Dynamo compiles, so a recompile shows as a second frame."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -191,6 +192,83 @@ def test_norm_op_opcheck(reuse):
         torch.library.opcheck(torch.ops.peft.dora_weight_norm.default, (weight, lora_A, lora_B, 0.7, reuse, frozen))
     expected = dora.factored_row_norm(weight, lora_A, lora_B, 0.7)
     assert_close(torch.ops.peft.dora_weight_norm(weight, lora_A, lora_B, 0.7, reuse, True), expected)
+
+
+def _op(weight, lora_A, lora_B, scale, reuse):
+    with torch.no_grad():  # as inside a compiled graph's forward (and no autograd node holding A and B)
+        return torch.ops.peft.dora_weight_norm.default(weight, lora_A, lora_B, scale, reuse, True)
+
+
+def test_norm_op_record_answers_only_what_the_memos_would():
+    """Inductor hands the norm op the parameters themselves, the same objects every call: a call with the very same
+    objects is answered from the op's record (no memo keys, no weak references to storages). Its answers are the
+    memos': the kept norm while W, A, B keep their versions and no optimizer step, merge or
+    ``invalidate_norm_caches`` came between (an in-place edit of B, a ``.data`` write announced by the call, a new
+    tensor behind the same parameter object, another scaling: each computes afresh, equal to the exact norm); with
+    ``reuse`` 1 only in a backward."""
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(24, 40), requires_grad=False)
+    lora_A, lora_B = nn.Parameter(torch.randn(6, 40)), nn.Parameter(torch.randn(24, 6))
+
+    def exact(scale=0.7):
+        return torch.linalg.vector_norm(weight.detach() + scale * lora_B.detach() @ lora_A.detach(), dim=1)
+
+    def call(reuse=2, scale=0.7):
+        dora.norm_counts.clear()
+        out = _op(weight, lora_A, lora_B, scale, reuse)
+        assert_close(out, exact(scale))
+        return out, dora.norm_counts["norm_reused"] == 1
+
+    assert not call()[1]
+    first, hit = call()
+    assert hit
+    first.mul_(0)  # the op hands out copies: scribbling on one (as a compiled graph may) leaves the kept norm alone
+    assert call()[1]
+    with torch.no_grad():
+        lora_B.add_(0.5)  # in place: B's version counter moves
+    assert not call()[1] and call()[1]
+    optimizer = torch.optim.SGD([lora_A, lora_B], lr=0.1)
+    (lora_A.sum() + lora_B.sum()).backward()
+    optimizer.step()  # the epoch moves
+    assert not call()[1] and call()[1]
+    lora_A.data.mul_(2)  # through .data: no version counter sees it ...
+    dora.invalidate_norm_caches()  # ... which the call to this announces
+    assert not call()[1] and call()[1]
+    lora_B.data = torch.randn(24, 6)  # another tensor behind the same parameter object (a new data pointer)
+    assert not call()[1] and call()[1]
+    assert not call(scale=0.3)[1] and not call()[1]  # the record keeps the last scaling it computed for
+
+    # reuse 1 (a training forward): the kept norm only in a backward, the checkpoint's recompute
+    assert not call(reuse=1)[1] and not call(reuse=1)[1]
+    seen = []
+
+    class InBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            dora.norm_counts.clear()
+            seen.append((_op(weight, lora_A, lora_B, 0.7, 1), dora.norm_counts["norm_reused"]))
+            return grad
+
+    InBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert seen[0][1] == 1
+    assert_close(seen[0][0], exact())
+
+
+def test_norm_op_record_goes_with_its_objects():
+    """A record is dropped when one of the objects it was made for dies (its id may be taken by a new object)."""
+    from peft.tuners.lora import dora_norm
+
+    weight, lora_A, lora_B = torch.randn(24, 40), torch.randn(6, 40), torch.randn(24, 6)
+    key = (id(weight), id(lora_A), id(lora_B))
+    _op(weight, lora_A, lora_B, 0.7, 2)
+    assert key in dora_norm._op_records
+    del lora_A
+    gc.collect()
+    assert key not in dora_norm._op_records
 
 
 def test_compiled_norm_reuse_is_eager_reuse(fresh_dynamo):
