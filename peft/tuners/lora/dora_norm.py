@@ -437,8 +437,11 @@ class _OpRecord:
         graph, out, _w_sq = self.graph
         graph.replay()
         graph_counts["replayed"] += 1
-        self.value, self.state, self.inference = out.clone(), state, torch.is_inference_mode_enabled()
-        return self.value.clone()
+        # the graph's own output buffer is the kept norm: only this graph writes it, at its next replay, which
+        # records the state it computed at (a replay by the memos' path, for the same storages, writes the norm of
+        # their versions then: a state that differs from this one unless the values are the same)
+        self.value, self.state, self.inference = out, state, torch.is_inference_mode_enabled()
+        return out.clone()
 
 
 _op_records: dict = {}  # (id(W), id(A), id(B)) -> _OpRecord; dropped when one of the three objects dies
