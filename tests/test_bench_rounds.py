@@ -215,6 +215,28 @@ def test_compiled_keys_come_from_the_pairs_with_a_compiled_lora_twin():
     assert bench_model.headline_values(_compiled_doc(more, ranks=(8, 64)))["compiled_dora_over_lora_infer"] is None
 
 
+def test_compiled_headline_over_runs_is_the_worst_case_and_names_its_file():
+    """Several --compile runs (e.g. long sequences on one GPU, short on another) give each compiled key's worst case
+    over them, with the file it came from; a run that lacks a key leaves that key without a worst case."""
+    separate = [_rec(impl, ms, 0, measure=m) for impl, ms in (("ours_fused", 11.0), ("lora", 10.0), ("upstream", 30.0))
+                for m in ("train", "infer")]  # fmt: skip
+    long_run = _compiled_doc(separate + [_pair("train_step_paired", [1.1], 0), _pair("infer_step_paired", [1.02], 0)])
+    slow = [dict(r, median_ms=r["median_ms"] * (1.5 if r["impl"] == "ours_fused" else 1.0)) for r in separate]
+    short_run = _compiled_doc(slow + [_pair("train_step_paired", [1.6], 0), _pair("infer_step_paired", [1.4], 0)])
+    short_run["env"]["gpu"] = "H"
+    head = bench_model.compiled_headline_over_runs([("long.json", long_run), ("short.json", short_run)])
+    assert head["compiled_dora_over_lora_train"] == pytest.approx(1.6)
+    assert head["compiled_dora_over_lora_train_at"] == "short.json"
+    assert head["compiled_dora_over_lora_infer_separate"] == pytest.approx(1.65)
+    assert head["compiled_train_speedup_vs_upstream"] == pytest.approx(30 / 16.5, abs=1e-4)  # rounded to 4 places
+    assert head["compiled_train_speedup_vs_upstream_at"] == "short.json"
+    assert head["compiled_points"] == 2 and head["compiled_recompiles_after_warmup"] == 0
+    assert head["compiled_gpu"] == "G (long.json); H (short.json)"
+    no_pairs = _compiled_doc([dict(r, rank=8) for r in separate] + [_pair("train_step_paired", [1.1], 0, ok=False)])
+    head = bench_model.compiled_headline_over_runs([("long.json", long_run), ("bad.json", no_pairs)])
+    assert head["compiled_dora_over_lora_train"] is None and head["compiled_dora_over_lora_train_at"] is None
+
+
 def test_compile_runs_the_speed_task_of_upstream_ours_fused_and_lora_by_default():
     """``--compile`` alone is a valid run: the speed task only (the others refuse compile) and no ``ours_eager``
     (under torch.compile both of ours trace the same PyTorch output), unless asked for."""
