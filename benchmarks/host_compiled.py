@@ -66,10 +66,13 @@ def main(argv=None) -> int:
     p.add_argument("--modules", type=int, default=64)
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: no intra-op threads to wait on)")
+    p.add_argument("--label", help="which build of peft is imported (kept in the record; git_rev is this checkout's)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     import peft
 
+    torch.set_num_threads(args.threads)
     x = torch.randn(16, 64)
     compiled = {name: torch.compile(build(dora, args.modules)) for name, dora in (("lora", False), ("dora", True))}
     with torch.no_grad():
@@ -85,9 +88,11 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "peft": peft.__version__,
         "git_rev": rev,
+        "label": args.label,
         # how peft::dora_weight_norm is defined in the installed peft (torch.library.custom_op before 2026-11-26)
         "norm_op_api": "custom_op" if "peft::dora_weight_norm" in torch._library.custom_ops.OPDEFS else "Library",
         "modules": args.modules,
+        "threads": args.threads,
         "calls_per_round": args.calls,
         "rounds_us_per_module": rounds,
         "median_us_per_module": medians,
