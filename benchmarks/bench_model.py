@@ -74,7 +74,8 @@ TASKS = ("speed", "fidelity", "convergence", "profile")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 COMPILED_MEASURES = ("train", "infer")
 # with --compile, ours (the --paired-impls) also times its compiled training step and inference forward against a
-# compiled LoRA twin adapter on the same model, back to back (the compiled_* DoRA/LoRA keys come from these)
+# compiled plain-LoRA twin model (own base, same seeded weights), back to back (the compiled_* DoRA/LoRA keys come
+# from these)
 COMPILED_PAIRED = ("train_step_paired", "infer_step_paired")
 
 PRESETS = {

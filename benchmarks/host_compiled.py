@@ -44,20 +44,30 @@ def build(dora: bool, modules: int) -> nn.Module:
     return get_peft_model(Chain(modules), config).eval()
 
 
-def per_module_us(fn, x, calls: int, modules: int) -> float:
-    start = time.perf_counter()
+def per_module_us(fn, x, calls: int, modules: int, before=None) -> float:
+    """Mean µs per module of ``calls`` calls of ``fn(x)``; ``before()`` runs untimed ahead of each call."""
+    if before is None:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(x)
+        return (time.perf_counter() - start) / calls / modules * 1e6
+    total = 0.0
     for _ in range(calls):
+        before()
+        start = time.perf_counter()
         fn(x)
-    return (time.perf_counter() - start) / calls / modules * 1e6
+        total += time.perf_counter() - start
+    return total / calls / modules * 1e6
 
 
-def alternate(fns: dict, x, calls: int, modules: int, rounds: int) -> tuple[dict, dict]:
+def alternate(fns: dict, x, calls: int, modules: int, rounds: int, before=None) -> tuple[dict, dict]:
     """``rounds`` rounds of every function in ``fns``, in alternating order (ABBA...), each the mean µs per module
-    over ``calls`` calls: the rounds and their medians."""
+    over ``calls`` calls (each after ``before[name]()``, untimed, where given): the rounds and their medians."""
     out: dict = {name: [] for name in fns}
     for k in range(rounds):
         for name in fns if k % 2 == 0 else reversed(list(fns)):
-            out[name].append(round(per_module_us(fns[name], x, calls, modules), 2))
+            pre = before[name] if before else None
+            out[name].append(round(per_module_us(fns[name], x, calls, modules, pre), 2))
     return out, {name: statistics.median(values) for name, values in out.items()}
 
 
@@ -67,6 +77,12 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: no intra-op threads to wait on)")
+    p.add_argument(
+        "--pairing",
+        choices=("models", "adapters"),
+        default="models",
+        help="models: a LoRA and a DoRA model, each compiled; adapters: one compiled model holding both adapters",
+    )
     p.add_argument("--label", help="which build of peft is imported (kept in the record; git_rev is this checkout's)")
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -74,12 +90,27 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     x = torch.randn(16, 64)
-    compiled = {name: torch.compile(build(dora, args.modules)) for name, dora in (("lora", False), ("dora", True))}
+    before = None
+    if args.pairing == "models":
+        compiled = {name: torch.compile(build(dora, args.modules)) for name, dora in (("lora", False), ("dora", True))}
+    else:  # one model with the DoRA adapter and a LoRA twin adapter, switched by set_adapter (untimed) before every
+        # call of either, as the paired measures alternate them
+        from peft import LoraConfig
+
+        model = build(True, args.modules)
+        twin = LoraConfig(r=8, target_modules=[f"layers.{i}" for i in range(args.modules)], use_dora=False)
+        model.add_adapter("twin", twin)
+        model.eval()
+        one = torch.compile(model)
+        compiled = {"lora": one, "dora": one}
+        before = {"lora": lambda: model.set_adapter("twin"), "dora": lambda: model.set_adapter("default")}
     with torch.no_grad():
-        for fn in compiled.values():
+        for name, fn in compiled.items():
             for _ in range(5):  # compile and warm up
+                if before:
+                    before[name]()
                 fn(x)
-        rounds, medians = alternate(compiled, x, args.calls, args.modules, args.rounds)
+        rounds, medians = alternate(compiled, x, args.calls, args.modules, args.rounds, before)
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     doc = {
         "what": "compiled eval forward, host time per adapted Linear (us), no autograd, 16x64 input",
@@ -93,6 +124,7 @@ def main(argv=None) -> int:
         "norm_op_api": "custom_op" if "peft::dora_weight_norm" in torch._library.custom_ops.OPDEFS else "Library",
         "modules": args.modules,
         "threads": args.threads,
+        "pairing": args.pairing,
         "calls_per_round": args.calls,
         "rounds_us_per_module": rounds,
         "median_us_per_module": medians,

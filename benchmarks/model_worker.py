@@ -631,20 +631,77 @@ TWIN = "lora_twin"  # the plain-LoRA adapter beside a grid point's DoRA adapter,
 
 def compiled_pairs(model, cfg, rank: int, mode: str, device, spec: dict, records: list, impl_name: str) -> None:
     """With ``--compile``: the compiled training step and inference forward of this DoRA model against a compiled
-    plain-LoRA twin adapter on the same model (:func:`train_step_paired`, :func:`infer_step_paired` through one
-    ``torch.compile`` of it; ``set_adapter`` makes Dynamo compile a graph per adapter and mode in the warm-up pairs,
-    and the timed pairs' ``tiers`` count any graph compiled after them). The compiled subprocesses of ours and of
-    LoRA run a minute apart, and between such runs the ratios moved by up to 0.05, the gap to the targets."""
-    point = {"rank": rank, "modules": list(TARGETS), "dropout": 0.0, "mode": mode}
-    forward = compiled_call(model, spec["compile"])
+    plain-LoRA twin model (:func:`compiled_twin`), back to back in ABBA pairs (:func:`twin_pairs`), each model
+    compiled on its own; the timed pairs' ``tiers`` count any graph compiled after the warm-up. A twin adapter on the
+    same model (the grid's pairing) made one compiled model hold both adapters' graphs, and a call after the other
+    adapter's checked that graph's guards first: on the H200 LoRA's paired inference at 512 tokens took 12.6 ms
+    against 7.5 in its own process."""
+    twin = compiled_twin(model, cfg, rank, mode, device)
+    models = {"dora": model, "lora": twin}
+    forwards = {side: compiled_call(m, spec["compile"]) for side, m in models.items()}
     pairs = spec["decode_paired"]["pairs"]
-    for measure, fn in (("train_step_paired", train_step_paired), ("infer_step_paired", infer_step_paired)):
+    for measure in ("train_step_paired", "infer_step_paired"):
         if measure in spec["measures"]:
-            r = fn(model, cfg, point, device, pairs, forward=forward)
+            r = twin_pairs(measure, models, forwards, cfg, mode, device, pairs)
             records.append({"impl": impl_name, "mode": mode, "rank": rank, "measure": measure, **r,
-                            "compile": spec["compile"]})  # fmt: skip
-            print(f"[{impl_name}] {mode} r={rank}: compiled {measure} DoRA/LoRA twin {r['ratio_median']:.3f} "
+                            "compile": spec["compile"], "pairing": "twin model"})  # fmt: skip
+            print(f"[{impl_name}] {mode} r={rank}: compiled {measure} DoRA/LoRA twin model {r['ratio_median']:.3f} "
                   f"({r['median_ms']:.2f} vs {r['lora_median_ms']:.2f} ms)", flush=True)  # fmt: skip
+    model.train()
+    del models, forwards, twin
+    release()
+
+
+def compiled_twin(model, cfg, rank: int, mode: str, device):
+    """A plain-LoRA model beside ``model``: its own base (the same seeded weights, gradient checkpointing as the
+    benchmark's models have it) and the same seeded A and B, in the same precision mode."""
+    base = build_base(cfg, device, torch.bfloat16)
+    if model.get_base_model().is_gradient_checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    twin = wrap(base, cfg, rank, {"dora": False}, mode)
+    seed_adapters(twin, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
+    return twin
+
+
+def twin_pairs(measure: str, models: dict, forwards: dict, cfg, mode: str, device, pairs: int) -> dict:
+    """``train_step_paired`` (forward, backward, AdamW step; every step's gradients proved per side) or
+    ``infer_step_paired`` (eval forward without autograd) of two models (``models``/``forwards``: side -> model / its
+    compiled call), in ABBA pairs (:func:`alternate`, two warm-up calls per side)."""
+    ids, labels = make_inputs(cfg, device)
+    timer = Timer(device)
+    train = measure == "train_step_paired"
+    sides, proofs = {}, {}
+    for side, m in models.items():
+        m.train(train)
+        if train:
+            params = [p for p in m.parameters() if p.requires_grad]
+            proofs[side] = GradProof(m)
+            sides[side] = torch.optim.AdamW(params, lr=1e-6, foreach=True)
+
+    def step_ms(side: str) -> float:
+        forward, times = forwards[side], []
+        if not train:
+            with torch.no_grad(), timer.region(times), precision_ctx(mode, device):
+                forward(input_ids=ids, use_cache=False)
+            return times[0]
+        models[side].zero_grad(set_to_none=True)
+        with timer.region(times):
+            with precision_ctx(mode, device):
+                loss = forward(input_ids=ids, labels=labels, use_cache=False).loss
+            loss.backward()
+            sides[side].step()
+        proofs[side]()
+        return times[0]
+
+    out = alternate(measure, {side: lambda side=side: step_ms(side) for side in models}, pairs, warmup=2)
+    if train:
+        out["grad_proof"], out["lora_grad_proof"] = proofs["dora"].result(), proofs["lora"].result()
+        if not out["lora_grad_proof"]["ok"]:  # a LoRA side that did not train makes no ratio either
+            out["grad_proof"] = dict(out["grad_proof"], ok=False)
+        for m in models.values():
+            m.zero_grad(set_to_none=True)
+    sides.clear()
+    return out
 
 
 def decode_step_paired(model, cfg, point: dict, device, pairs: int, steps: int, cached: bool = False) -> dict:
@@ -700,21 +757,19 @@ def add_lora_twin(model, cfg, point: dict) -> None:
     seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"], adapter=TWIN)
 
 
-def train_step_paired(model, cfg, point: dict, device, pairs: int, forward=None) -> dict:
+def train_step_paired(model, cfg, point: dict, device, pairs: int) -> dict:
     """The training step (forward with the model's gradient checkpointing, backward, AdamW step) of the DoRA adapter
     against a plain-LoRA twin adapter on the same base model (:func:`add_lora_twin`), in ABBA pairs
     (:func:`alternate`), each side with its own optimizer over its own adapter's tensors. At small ranks and few
     tokens a step is host-bound, and a host's speed drifts by up to 2x within a minute: the ``train`` records of the
     DoRA and LoRA subprocesses can land in different phases, two steps back to back share one. Every step's
-    gradients are proved (:class:`GradProof`, per side) and the record keeps both proofs. ``forward``: the model's
-    call to time (a ``torch.compile`` of it, :func:`compiled_call`; default the model itself)."""
+    gradients are proved (:class:`GradProof`, per side) and the record keeps both proofs."""
     add_lora_twin(model, cfg, point)
-    forward = model if forward is None else forward
     ids, labels = make_inputs(cfg, device)
 
     def loss():
         with precision_ctx(point["mode"], device):
-            return forward(input_ids=ids, labels=labels, use_cache=False).loss
+            return model(input_ids=ids, labels=labels, use_cache=False).loss
 
     # two warm-up steps per side, as the ``train`` measure takes: with one, the first timed DoRA step captured the
     # norm graphs (H200, llama1b grid: every point's first pair ratio 1.2-1.5x its others)
@@ -759,16 +814,15 @@ def train_pairs(model, adapters: dict, loss, device, pairs: int, warmup: int, lr
     return out, proofs
 
 
-def infer_step_paired(model, cfg, point: dict, device, pairs: int, forward=None, cached: bool = False) -> dict:
+def infer_step_paired(model, cfg, point: dict, device, pairs: int, cached: bool = False) -> dict:
     """The inference forward (eval, no autograd, the point's batch and sequence) of the DoRA adapter against a
     plain-LoRA twin adapter on the same base model (:func:`add_lora_twin`), in ABBA pairs (:func:`alternate`, two
     warm-up calls per side). At the grid's small points the forward is host-bound: the ``infer`` records of the DoRA
     and LoRA subprocesses land in different phases of a host whose speed drifts by up to 2x within a minute (one
     profiled LoRA forward took 9.6 and 13.1 ms seconds apart, qwen1.5b r8 seq 512, H100 machine), two forwards back
-    to back share one. ``forward`` as for :func:`train_step_paired`. ``cached``: a third side, the DoRA adapter under
+    to back share one. ``cached``: a third side, the DoRA adapter under
     ``peft.helpers.DoraCaching`` (the norm of its first cached forward kept until ``train()``)."""
     add_lora_twin(model, cfg, point)
-    forward = model if forward is None else forward
     model.eval()
     ids, _ = make_inputs(cfg, device)
     timer = Timer(device)
@@ -778,7 +832,7 @@ def infer_step_paired(model, cfg, point: dict, device, pairs: int, forward=None,
         model.set_adapter(adapter)
         times: list = []
         with timer.region(times), precision_ctx(point["mode"], device), caching():
-            forward(input_ids=ids, use_cache=False)
+            model(input_ids=ids, use_cache=False)
         return times[0]
 
     sides = {"dora": lambda: forward_ms("default"), "lora": lambda: forward_ms(TWIN)}

@@ -313,3 +313,26 @@ def test_a_third_side_runs_in_every_round_and_gives_its_own_ratios():
     assert head["grid_worst_cached_over_uncached_decode"] == 1.04
     assert head["grid_worst_cached_over_uncached_decode_at"] == b["label"]
     assert "grid_worst_cached_over_uncached_infer" not in head  # no paired forward with a cached side here
+
+
+def test_compiled_pairs_time_a_twin_model_that_trains_from_the_same_weights():
+    """``--compile``'s pairs run the DoRA model against a plain-LoRA twin *model* (its own base, the same seeded base
+    weights, A and B; gradient checkpointing as the DoRA model has it), not a twin adapter of the same model whose
+    graphs every compiled call would check too: both sides train (gradient proofs) and infer in ABBA pairs."""
+    spec = bench_model.resolve_config(bench_model.parse_args(["--tiny", "--device", "cpu"]))
+    cfg, device = spec["model"], torch.device("cpu")
+    base = model_worker.build_base(cfg, device, torch.bfloat16)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = model_worker.wrap(base, cfg, 4, {"dora": True}, "bf16")
+    model_worker.seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
+    twin = model_worker.compiled_twin(model, cfg, 4, "bf16", device)
+    assert twin.get_base_model() is not model.get_base_model() and twin.get_base_model().is_gradient_checkpointing
+    assert not any("magnitude" in n for n, _ in twin.named_parameters())
+    ours = dict(model.named_parameters())
+    for name, p in twin.named_parameters():  # base weights, A and B: the same values, in other tensors
+        assert torch.equal(p, ours[name]) and p.data_ptr() != ours[name].data_ptr(), name
+    models = {"dora": model, "lora": twin}
+    train = model_worker.twin_pairs("train_step_paired", models, models, cfg, "bf16", device, pairs=2)
+    assert train["grad_proof"]["ok"] and train["lora_grad_proof"]["ok"] and len(train["pair_ratios"]) == 2
+    infer = model_worker.twin_pairs("infer_step_paired", models, models, cfg, "bf16", device, pairs=2)
+    assert len(infer["pair_ratios"]) == 2 and "grad_proof" not in infer
