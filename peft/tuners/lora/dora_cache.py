@@ -265,7 +265,8 @@ def capturing(sources) -> bool:
 class LayerReuse:
     """Everything one DoRA layer keeps across forwards, and which of it wins. The norm of a forward is, in order:
 
-    1. under torch.compile: ``peft::dora_weight_norm`` (``dora_norm``), which keeps its values by storage
+    1. under torch.compile: ``peft::dora_weight_norm`` (``dora_norm``), which answers calls with the very parameter
+       objects from a record per object triple (``dora_norm._OpRecord``), else keeps its values by storage
        (:class:`StorageMemo`) and replays a training norm from a graph keyed the same way (:func:`storage_graph`);
        nothing below is read or written;
     2. ``norm``: the previous norm, where ``dora_norm.reuse_mode`` allows reuse and W, A, B and s provably hold;
