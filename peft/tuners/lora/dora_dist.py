@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import dora_cache
+from . import dora_cache, dora_settings
 from .dora_cache import norm_counts
 
 
@@ -226,6 +226,8 @@ def norm_shards(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor
     if any(k is None for k in keys):
         return None
     d_out = weight.shape[0]
+    if dora_settings.current().sharded_norm is False:  # PEFT_DORA_SHARDED_NORM=0: each rank the whole norm
+        return NormShards(keys, params, (weight, lora_A, lora_B))
     w_group, b_group = _row_group(fps[0]), _row_group(fps[2])
     if w_group is None or w_group != b_group or weight.dim() != 2 or lora_B.shape[0] != d_out:
         return NormShards(keys, params, (weight, lora_A, lora_B))

@@ -319,6 +319,20 @@ def test_fsdp2_columns_of_b_take_the_whole_norm(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_fsdp2_sharded_norm_off_takes_the_whole_norm(tmp_path):
+    """``PEFT_DORA_SHARDED_NORM=0``: every rank computes the whole norm of the gathered tensors (no norm all-gather),
+    still kept on the shards (the recompute reuses it), and the training equals one process's."""
+    flags = ("--optim", "sgd", "--checkpointing", "1")
+    sharded = _train(tmp_path, 2, *flags, env=dict(os.environ, PEFT_DORA_SHARDED_NORM="0"))
+    single = _train(tmp_path, 1, *flags)
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=1e-5)
+    assert sharded["norm_check"]["row_sharded"] == 0
+    for counts in sharded["counts"]:
+        assert counts["norm_computed"] == counts["norm_reused"] == MODULES and not counts.get("norm_gathers"), counts
+    for a, b in zip(sharded["eval"]["logits"], single["eval"]["logits"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_fsdp2_four_processes_train_as_one(tmp_path):
     """Any N: four processes (FSDP2 shards of 25/25/25/24 rows for the odd ``d_out``, one row of each ``lora_A``)
     train as one process on the same global batch, with the sharded norm equal to the whole norm on every rank."""
