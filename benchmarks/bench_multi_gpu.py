@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import bench_model
 from multi_gpu_worker import ENGINES
@@ -52,8 +53,10 @@ IMPLS = {  # name: (wheel, is our DoRA's package, use_dora)
     "upstream": {"wheel": "upstream", "ours": False, "dora": True},
     "ours": {"wheel": "ours", "ours": True, "dora": True},
     "lora": {"wheel": "ours", "ours": True, "dora": False},
+    # ours with every FSDP2 rank computing the whole norm (no norm all-gather): against the sharded norm in one run
+    "ours_whole_norm": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_SHARDED_NORM": "0"}},
 }
-DORA = ("ours", "upstream")
+DORA = ("ours", "upstream")  # the DoRA impls every summary row names (others: where the run has them)
 REFERENCES = ("single", "norm_check")  # launches of ours that check the run, not timed (job_spec)
 LLAMA = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
          "initializer_range": 0.02}  # fmt: skip
@@ -282,8 +285,10 @@ def wheel_targets(cfg: dict, args, workdir: Path) -> dict:
     return targets
 
 
-def worker_env(target: Path, device: str) -> dict:
+def worker_env(target: Path, device: str, impl_env: Optional[dict] = None) -> dict:
+    """The workers' environment: no ``PEFT_DORA_*`` of the caller's, only the impl's own (``IMPLS[...]["env"]``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEFT_DORA_")}
+    env.update(impl_env or {})
     env["PYTHONPATH"] = os.pathsep.join([str(target)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env.update(PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")  # NVLink multicast stays off on the lent machines
     if device == "cpu":
@@ -307,7 +312,8 @@ def launch(cfg: dict, job: dict, target: Path, workdir: Path, timeout: float) ->
     print(f"--- {tag}: starting", flush=True)
     t0 = time.perf_counter()
     # a session of its own, so that a timeout ends torchrun and every worker it started
-    proc = subprocess.Popen(cmd, env=worker_env(target, cfg["device"]), cwd=HERE, start_new_session=True)
+    env = worker_env(target, cfg["device"], spec["impl"].get("env"))
+    proc = subprocess.Popen(cmd, env=env, cwd=HERE, start_new_session=True)
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -358,15 +364,16 @@ def summarize(doc: dict) -> list:
     single-process reference (None where it did not run)."""
     view, cfg, rows = speed_view(doc), doc["config"], []
     mode = cfg["precision"]
+    dora = DORA + tuple(i for i in cfg["impls"] if i not in DORA and IMPLS.get(i, {}).get("dora"))
     for rank in cfg["ranks"]:
         ms = {i: bench_model.speed_value(view, i, mode, "train", rank) for i in cfg["impls"]}
         peak = {i: _peak(doc, i, rank) for i in cfg["impls"]}
-        over = {i: 100 * (peak[i] / peak["lora"] - 1) if peak.get(i) and peak.get("lora") else None for i in DORA}
+        over = {i: 100 * (peak[i] / peak["lora"] - 1) if peak.get(i) and peak.get("lora") else None for i in dora}
         step0 = {r["impl"]: r["step0_loss"] for r in sorted(doc["records"], key=lambda r: -r["round"])
                  if r["rank"] == rank}  # fmt: skip
         rows.append({
             "rank": rank, "step_ms": ms,
-            "dora_over_lora": {i: bench_model.time_ratio(view, i, "lora", mode, "train", rank) for i in DORA},
+            "dora_over_lora": {i: bench_model.time_ratio(view, i, "lora", mode, "train", rank) for i in dora},
             "speedup_vs_upstream": bench_model.time_ratio(view, "upstream", "ours", mode, "train", rank),
             "peak_delta_mb": peak, "peak_delta_over_lora_pct": over, "step0_loss": step0,
             "loss_max_abs_diff_vs_upstream": {i: _loss_diff(doc, i, rank) for i in cfg["impls"] if i != "upstream"},

@@ -143,11 +143,11 @@ def test_headline_from_several_runs_takes_the_worst_of_each_key(tmp_path, monkey
 
 @pytest.mark.slow
 def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
-    """Two torchrun launches (three with upstream) of two gloo processes each: FSDP2 over a tiny Llama, every step's
+    """Three torchrun launches (four with upstream) of two gloo processes each: FSDP2 over a tiny Llama, every step's
     gradients proved over the shards, per-step losses all-reduced, the JSON free of machine paths; then the references:
     ours in one process on the global batch (the same losses) and the sharded norm against the whole one."""
     upstream = os.environ.get("PEFT_UPSTREAM_WHEEL")
-    impls = ["ours", "lora"] + (["upstream"] if upstream else [])
+    impls = ["ours", "ours_whole_norm", "lora"] + (["upstream"] if upstream else [])
     out = tmp_path / "multi_gpu.json"
     rc = bench_multi_gpu.main([
         "--device", "cpu", "--shape", "tiny", "--layers", "2", "--ranks", "4", "--seq", "16", "--steps", "2",
@@ -166,8 +166,13 @@ def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
         assert len(r["samples_ms"]) == 2 and r["peak_delta_mb"] is None  # no CUDA memory on CPU
     ours = next(r for r in doc["records"] if r["impl"] == "ours")
     assert len(ours["norm_counts"]) == 3 and ours["norm_counts"][0].get("norm_computed") == 14
+    # PEFT_DORA_SHARDED_NORM=0 reaches its workers (and only theirs): the whole norm, no all-gather, the same losses
+    whole = next(r for r in doc["records"] if r["impl"] == "ours_whole_norm")
+    assert all(c.get("norm_gathers") for c in ours["norm_counts"]), ours["norm_counts"]
+    assert not any(c.get("norm_gathers") for c in whole["norm_counts"]), whole["norm_counts"]
+    assert whole["losses"] == pytest.approx(ours["losses"], abs=1e-5)
     (row,) = doc["summary"]
-    assert row["dora_over_lora"]["ours"] is not None and math.isfinite(row["dora_over_lora"]["ours"])
+    assert all(math.isfinite(row["dora_over_lora"][i]) for i in ("ours", "ours_whole_norm"))
     # the same rows in one process: equal to the losses' 1e-6 rounding here; one process's rows alone differ by ~1e-2
     assert row["loss_max_abs_diff_vs_single_gpu"] <= 1e-4
     norms = doc["norm_check"]
