@@ -10,11 +10,11 @@ AdamW steps (CUDA events, the slowest process) and profiles one step on process 
 NCCL, Triton, elementwise), the busiest kernels, the busiest host ops, and the GPU busy time of the compute stream
 against the step's wall time (what is left is waiting: for an all-gather, for the host).
 
-Variants: ``lora`` (``use_dora=False``), ``ours`` (defaults), ``ours_whole_norm`` (every rank computes the whole norm
-from the gathered W: the sharded norm's all-gather off), ``ours_own_group`` (the sharded norm's all-gather on a
-communicator of its own: NCCL runs one communicator's collectives in order, so on FSDP2's it queues with the
-parameter all-gathers and gradient reduce-scatters), ``ours_eager`` (``PEFT_DORA_FUSED=0``). The two that change the
-sharded norm run under FSDP2 only.
+Variants: ``lora`` (``use_dora=False``), ``ours`` (defaults), ``ours_whole_norm`` (``PEFT_DORA_SHARDED_NORM=0``:
+every rank computes the whole norm from the gathered W, the sharded norm's all-gather off), ``ours_own_group`` (the
+sharded norm's all-gather on a communicator of its own: NCCL runs one communicator's collectives in order, so on
+FSDP2's it queues with the parameter all-gathers and gradient reduce-scatters), ``ours_eager``
+(``PEFT_DORA_FUSED=0``). The two that change the sharded norm run under FSDP2 only.
 """
 
 from __future__ import annotations
@@ -79,14 +79,15 @@ def _sync(device) -> None:
 def run_variant(variant: str, spec: dict, rank: int, device, mesh, world: int, proc: int, steps: int) -> dict:
     from peft.tuners.lora import dora, dora_dist
 
-    os.environ.pop("PEFT_DORA_FUSED", None)
+    for name in ("PEFT_DORA_FUSED", "PEFT_DORA_SHARDED_NORM"):
+        os.environ.pop(name, None)
     if variant == "ours_eager":
         os.environ["PEFT_DORA_FUSED"] = "0"
+    elif variant == "ours_whole_norm":  # as users switch it
+        os.environ["PEFT_DORA_SHARDED_NORM"] = "0"
     dora._invalidate_fused_cache()
     row_group = dora_dist._row_group
-    if variant == "ours_whole_norm":
-        dora_dist._row_group = lambda fp: None
-    elif variant == "ours_own_group":  # the norm's all-gather on a communicator of its own, not FSDP2's
+    if variant == "ours_own_group":  # the norm's all-gather on a communicator of its own, not FSDP2's
         if not _OWN_GROUP:
             _OWN_GROUP.append(dist.new_group(list(range(world))))
 
@@ -134,7 +135,8 @@ def run_variant(variant: str, spec: dict, rank: int, device, mesh, world: int, p
         return out
     finally:
         dora_dist._row_group = row_group
-        os.environ.pop("PEFT_DORA_FUSED", None)
+        for name in ("PEFT_DORA_FUSED", "PEFT_DORA_SHARDED_NORM"):
+            os.environ.pop(name, None)
 
 
 def main() -> int:
