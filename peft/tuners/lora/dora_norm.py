@@ -36,7 +36,7 @@ from .dora_cache import (
     storage_memo,
 )
 from .dora_dispatch import records_grad
-from .dora_graph import graph_counts
+from .dora_graph import graph_counts, same_objects
 from .dora_launch import INTERPRET
 from .dora_settings import current as settings
 from .dora_settings import get_dora_norm_threshold_bytes
@@ -344,12 +344,13 @@ def _weight_norm_op(
     the parameters themselves, the same objects every call: those calls are answered by their :class:`_OpRecord`.
     """
     sources = (weight, lora_A, lora_B)
+    default_stream = _on_default_stream(weight)
     record = _op_records.get((id(weight), id(lora_A), id(lora_B)))  # only for objects that pass ``keep`` below
-    if record is not None and reuse and _on_default_stream(weight) and not capturing(sources):
+    if record is not None and reuse and default_stream and not capturing(sources):
         out = record.answer(weight, lora_A, lora_B, scale, reuse, frozen)
         if out is not None:
             return out
-    keep = _on_default_stream(weight) and not any(t.is_inference() for t in sources)  # no version counters
+    keep = default_stream and not any(t.is_inference() for t in sources)  # no version counters
     mode = _REUSE_MODES[reuse] if keep else None
     used = [None, None]  # the norm graph and the kept ||W||² the computation below went through, if any
 
@@ -413,13 +414,22 @@ class _OpRecord:
             scale,
         )  # fmt: skip  (a move to another device is a new data pointer)
 
+    @staticmethod
+    def _state(weight, lora_A, lora_B) -> tuple:
+        """What a kept norm is valid for: the three version counters and the epoch."""
+        return weight._version, lora_A._version, lora_B._version, _epoch[0]
+
+    @staticmethod
+    def _w_sq_state(weight, w_sq) -> Optional[tuple]:
+        """What a kept ``||W||²`` is valid for (None: the graph reads none): W's version and the merge epoch."""
+        return None if w_sq is None else (weight._version, _merge_epoch[0])
+
     def answer(self, weight, lora_A, lora_B, scale, reuse, frozen) -> Optional[torch.Tensor]:
-        refs = self.refs
-        if refs[0]() is not weight or refs[1]() is not lora_A or refs[2]() is not lora_B:
+        if not same_objects(self.refs, (weight, lora_A, lora_B)):
             return None
         if self._layout(weight, lora_A, lora_B, scale) != self.layout:
             return None
-        state = (weight._version, lora_A._version, lora_B._version, _epoch[0])
+        state = self._state(weight, lora_A, lora_B)
         if reuse == 2 or torch._C._current_graph_task_id() != -1:
             if state == self.state and (not self.inference or torch.is_inference_mode_enabled()):
                 norm_counts["norm_reused"] += 1
@@ -428,13 +438,13 @@ class _OpRecord:
                 return None
         if self.graph is None:
             return None
-        w_sq_state = None if self.graph_state[2] is None else (weight._version, _merge_epoch[0])
+        graph, out, w_sq = self.graph
+        w_sq_state = self._w_sq_state(weight, w_sq)
         if (settings(), frozen, w_sq_state) != self.graph_state:
             return None
         norm_counts["norm_computed"] += 1
         if w_sq_state is not None:
             norm_counts["w_sq_reused"] += 1
-        graph, out, _w_sq = self.graph
         graph.replay()
         graph_counts["replayed"] += 1
         # the graph's own output buffer is the kept norm: only this graph writes it, at its next replay, which
@@ -466,11 +476,10 @@ def _record(sources: tuple, scale: float, frozen: bool, value: torch.Tensor, gra
     record.refs = tuple(weakref.ref(t, drop) for t in sources)
     record.layout = _OpRecord._layout(weight, lora_A, lora_B, scale)
     record.value, record.inference = value, value.is_inference()
-    record.state = (weight._version, lora_A._version, lora_B._version, _epoch[0])
+    record.state = _OpRecord._state(weight, lora_A, lora_B)
     captured = graph is not None and graph.graph is not None and not graph.failed
     record.graph = (graph.graph, graph.out, w_sq) if captured else None
-    w_sq_state = None if w_sq is None else (weight._version, _merge_epoch[0])
-    record.graph_state = (settings(), frozen, w_sq_state)
+    record.graph_state = (settings(), frozen, _OpRecord._w_sq_state(weight, w_sq))
     _op_records[key] = record
 
 
