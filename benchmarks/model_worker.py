@@ -466,8 +466,7 @@ def decode_paired(model, cfg, rank, mode, device, pairs: int) -> dict:
     seeded A, B; this package's LoRA path, which the overlay leaves as upstream's), alternated ``pairs`` times in
     ABBA order. Separate subprocesses minutes apart see different host speeds, and decode is host-bound; a pair
     measured back to back shares them, so the median of the per-pair ratios is the tighter DoRA/LoRA figure."""
-    twin = wrap(build_base(cfg, device, torch.bfloat16), cfg, rank, {"dora": False}, mode)
-    seed_adapters(twin, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
+    twin = lora_twin_model(model, cfg, rank, mode, device)
     models = {"dora": model.eval(), "lora": twin.eval()}
     ids, _ = make_inputs(cfg, device)
     prompt, new = ids[:, : cfg["prompt_tokens"]], cfg["new_tokens"]
@@ -631,12 +630,12 @@ TWIN = "lora_twin"  # the plain-LoRA adapter beside a grid point's DoRA adapter,
 
 def compiled_pairs(model, cfg, rank: int, mode: str, device, spec: dict, records: list, impl_name: str) -> None:
     """With ``--compile``: the compiled training step and inference forward of this DoRA model against a compiled
-    plain-LoRA twin model (:func:`compiled_twin`), back to back in ABBA pairs (:func:`twin_pairs`), each model
+    plain-LoRA twin model (:func:`lora_twin_model`), back to back in ABBA pairs (:func:`twin_pairs`), each model
     compiled on its own; the timed pairs' ``tiers`` count any graph compiled after the warm-up. A twin adapter on the
     same model (the grid's pairing) made one compiled model hold both adapters' graphs, and a call after the other
     adapter's checked that graph's guards first: on the H200 LoRA's paired inference at 512 tokens took 12.6 ms
     against 7.5 in its own process."""
-    twin = compiled_twin(model, cfg, rank, mode, device)
+    twin = lora_twin_model(model, cfg, rank, mode, device)
     models = {"dora": model, "lora": twin}
     forwards = {side: compiled_call(m, spec["compile"]) for side, m in models.items()}
     pairs = spec["decode_paired"]["pairs"]
@@ -652,7 +651,7 @@ def compiled_pairs(model, cfg, rank: int, mode: str, device, spec: dict, records
     release()
 
 
-def compiled_twin(model, cfg, rank: int, mode: str, device):
+def lora_twin_model(model, cfg, rank: int, mode: str, device):
     """A plain-LoRA model beside ``model``: its own base (the same seeded weights, gradient checkpointing as the
     benchmark's models have it) and the same seeded A and B, in the same precision mode."""
     base = build_base(cfg, device, torch.bfloat16)

@@ -325,7 +325,7 @@ def test_compiled_pairs_time_a_twin_model_that_trains_from_the_same_weights():
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = model_worker.wrap(base, cfg, 4, {"dora": True}, "bf16")
     model_worker.seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
-    twin = model_worker.compiled_twin(model, cfg, 4, "bf16", device)
+    twin = model_worker.lora_twin_model(model, cfg, 4, "bf16", device)
     assert twin.get_base_model() is not model.get_base_model() and twin.get_base_model().is_gradient_checkpointing
     assert not any("magnitude" in n for n, _ in twin.named_parameters())
     ours = dict(model.named_parameters())
