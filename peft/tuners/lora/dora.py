@@ -483,8 +483,9 @@ class DoraLinearLayer(nn.Module):
         extra = _shard_extra(weight, lora_A, lora_B, scaling, shards)
 
         def compute() -> torch.Tensor:
-            if shards.group is None:
-                return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name)
+            if shards.group is None:  # the whole norm, ``‖W‖²`` kept on the shard as for the rows
+                w_sq = self._shard_w_sq(weight, weight, lora_A, lora_B, shards)
+                return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
             waiting = reuse.batched.get(shards.keys, extra)
             reuse.batched.clear()
             if waiting is not None:
@@ -527,11 +528,17 @@ class DoraLinearLayer(nn.Module):
         if shards.stop == shards.start:
             return torch.empty(0, device=weight.device, dtype=torch.promote_types(weight.dtype, torch.float32))
         w_rows, b_rows = weight[shards.start : shards.stop], lora_B[shards.start : shards.stop]
-        w_sq = None
-        if not weight.requires_grad and dora_norm.w_sq_reusable(w_rows, lora_A, b_rows):
-            w_sq = memoised(self._reuse.w_sq, "any", "w_sq", shards.keys[:1], lambda: row_sq_norm(w_rows),
-                            extra=(weight.dtype, shards.versions()[:2]))  # fmt: skip
+        w_sq = self._shard_w_sq(weight, w_rows, lora_A, b_rows, shards)
         return factored_row_norm(w_rows, lora_A, b_rows, scaling, w_sq=w_sq)
+
+    def _shard_w_sq(self, weight, w_rows, lora_A, b_rows, shards) -> Optional[torch.Tensor]:
+        """``‖W‖²`` of ``w_rows`` (this rank's rows of the gathered ``weight``, or all of them) kept on the rank's shard
+        of a frozen W with the versions that stand for the gathered values (``NormShards.versions``); None where the
+        norm does not take it (``dora_norm.w_sq_reusable``) or W trains."""
+        if weight.requires_grad or not dora_norm.w_sq_reusable(w_rows, lora_A, b_rows):
+            return None
+        extra = (weight.dtype, shards.versions()[:2], w_rows.shape[0])  # the row count: the rank's rows or all
+        return memoised(self._reuse.w_sq, "any", "w_sq", shards.keys[:1], lambda: row_sq_norm(w_rows), extra=extra)
 
     def _norm_operands(self, weight, lora_A, lora_B) -> Optional[tuple]:
         """(W, A, B) as ``factored_row_norm`` takes them, or None where the norm is not a single factored row norm."""

@@ -273,20 +273,21 @@ def test_fsdp2_magnitude_zero_test_started_by_the_step_hook(tmp_path):
     assert answers == [i != 3 for i in range(MODULES)] and reads == MODULES
 
 
-@pytest.mark.parametrize("engine", ("fsdp2", "fsdp1", "zero2", "zero3"))
+@pytest.mark.parametrize("engine", ("fsdp2", "fsdp2-whole", "fsdp1", "zero2", "zero3"))
 def test_resume_from_a_sharded_checkpoint(tmp_path, engine):
     """Mid-run, a sharded checkpoint (``torch.distributed.checkpoint`` under FSDP2, DeepSpeed's own under ZeRO; model
     and AdamW state), three steps on other data, then the checkpoint loaded into the live model and optimizer: the
     next losses are the uninterrupted run's. Under FSDP2, loading writes the shards behind every kept norm and
-    ``‖W‖²``, which must then be computed again. FSDP1 (``use_orig_params``) goes through
-    ``torch.distributed.checkpoint`` too."""
+    ``‖W‖²``, which must then be computed again (``fsdp2-whole``: with ``PEFT_DORA_SHARDED_NORM=0``, the whole
+    ``‖W‖²`` kept on the same shard). FSDP1 (``use_orig_params``) goes through ``torch.distributed.checkpoint`` too."""
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed")
-    flags = ("--optim", "adamw", "--checkpointing", "1", "--engine", engine)
-    resumed = _train(tmp_path, 2, *flags, "--resume", "1")
-    straight = _train(tmp_path, 2, *flags)
+    env = dict(os.environ, PEFT_DORA_SHARDED_NORM="0") if engine == "fsdp2-whole" else None
+    flags = ("--optim", "adamw", "--checkpointing", "1", "--engine", engine.split("-")[0])
+    resumed = _train(tmp_path, 2, *flags, "--resume", "1", env=env)
+    straight = _train(tmp_path, 2, *flags, env=env)
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"]), rtol=0, atol=1e-6)
-    if engine == "fsdp2":
+    if engine.startswith("fsdp2"):
         assert resumed["counts"][10].get("w_sq_computed") == MODULES  # the load wrote W's shards: ||W||^2 again
 
 
@@ -314,21 +315,29 @@ def test_fsdp2_columns_of_b_take_the_whole_norm(tmp_path):
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=1e-5)
     check = sharded["norm_check"]
     assert check["modules"] == MODULES and check["row_sharded"] == 0 and check["max_rel_err"] <= 1e-6
-    assert all(c["norm_computed"] == c["norm_reused"] == MODULES for c in sharded["counts"]), sharded["counts"][:2]
+    _check_whole_norm_counts(sharded)
     for a, b in zip(sharded["eval"]["logits"], single["eval"]["logits"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def _check_whole_norm_counts(run: dict) -> None:
+    """Every rank computed the whole norm (no norm all-gather), kept on the shards: one per module and step (the
+    recompute reuses it), and the frozen W's ``‖W‖²`` once per run, kept on its shard as for the sharded norm's rows."""
+    for step, counts in enumerate(run["counts"]):
+        assert counts["norm_computed"] == counts["norm_reused"] == MODULES and not counts.get("norm_gathers"), counts
+        assert counts.get("w_sq_computed", 0) == (MODULES if step == 0 else 0), (step, counts)
+
+
 def test_fsdp2_sharded_norm_off_takes_the_whole_norm(tmp_path):
     """``PEFT_DORA_SHARDED_NORM=0``: every rank computes the whole norm of the gathered tensors (no norm all-gather),
-    still kept on the shards (the recompute reuses it), and the training equals one process's."""
+    still kept on the shards (the recompute reuses it, ``‖W‖²`` once per run), and the training equals one
+    process's."""
     flags = ("--optim", "sgd", "--checkpointing", "1")
     sharded = _train(tmp_path, 2, *flags, env=dict(os.environ, PEFT_DORA_SHARDED_NORM="0"))
     single = _train(tmp_path, 1, *flags)
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=1e-5)
     assert sharded["norm_check"]["row_sharded"] == 0
-    for counts in sharded["counts"]:
-        assert counts["norm_computed"] == counts["norm_reused"] == MODULES and not counts.get("norm_gathers"), counts
+    _check_whole_norm_counts(sharded)
     for a, b in zip(sharded["eval"]["logits"], single["eval"]["logits"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
