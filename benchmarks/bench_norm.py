@@ -29,10 +29,10 @@ import json
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
+from timing import loop_us
 
 
 # Llama-3.1-8B: (name, d_out, d_in) of a decoder layer's seven projections
@@ -104,14 +104,6 @@ def gpu_us(fn, reps: int, rounds: int) -> float:
     return statistics.median(samples)
 
 
-def wall_us(fn, reps: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) * 1e6 / reps
-
-
 def measure(args) -> dict:
     device = torch.device("cpu" if args.tiny else "cuda")
     layer = TINY_LAYER if args.tiny else LAYER
@@ -132,7 +124,11 @@ def measure(args) -> dict:
                         total[path] = float("nan")
                         continue
                     err = ((fn().double() - ref).abs() / ref.clamp_min(1e-30)).max().item()
-                    us = wall_us(fn, args.reps) if args.tiny else gpu_us(fn, args.reps, args.rounds)
+                    us = (
+                        loop_us(fn, lambda: None, 1, 1, args.reps)["median"]
+                        if args.tiny
+                        else gpu_us(fn, args.reps, args.rounds)
+                    )
                     rows.append(dict(row, supported=True, us=round(us, 2), max_rel_err=float(f"{err:.3g}")))
                     total[path] += us
                     print(f"{adapter_name} r={r:<4} {name:<5} {path:<10} {us:9.2f} µs  err {err:.2e}", flush=True)
