@@ -683,14 +683,12 @@ def twin_pairs(measure: str, models: dict, forwards: dict, cfg, mode: str, devic
             with torch.no_grad(), timer.region(times), precision_ctx(mode, device):
                 forward(input_ids=ids, use_cache=False)
             return times[0]
-        models[side].zero_grad(set_to_none=True)
-        with timer.region(times):
+
+        def loss():
             with precision_ctx(mode, device):
-                loss = forward(input_ids=ids, labels=labels, use_cache=False).loss
-            loss.backward()
-            sides[side].step()
-        proofs[side]()
-        return times[0]
+                return forward(input_ids=ids, labels=labels, use_cache=False).loss
+
+        return timed_step(timer, models[side], sides[side], proofs[side], loss)
 
     out = alternate(measure, {side: lambda side=side: step_ms(side) for side in models}, pairs, warmup=2)
     if train:
@@ -780,6 +778,18 @@ def train_step_paired(model, cfg, point: dict, device, pairs: int) -> dict:
     return out
 
 
+def timed_step(timer, model, optimizer, proof, loss) -> float:
+    """One training step's ms for the paired measures: ``model``'s gradients dropped untimed, then ``loss()``, its
+    backward and the optimizer step timed (``timer.region``), the step's gradients proved (``proof``)."""
+    model.zero_grad(set_to_none=True)
+    times: list = []
+    with timer.region(times):
+        loss().backward()
+        optimizer.step()
+    proof()
+    return times[0]
+
+
 def train_pairs(model, adapters: dict, loss, device, pairs: int, warmup: int, lr: float, name: str):
     """Training steps of two adapters of ``model`` (``adapters``: side name -> adapter name, the first the one left
     active afterwards) in ABBA pairs (:func:`alternate`), each side with its own AdamW over its own adapter's tensors
@@ -796,13 +806,7 @@ def train_pairs(model, adapters: dict, loss, device, pairs: int, warmup: int, lr
     def step_ms(side: str) -> float:
         adapter, optimizer, proof = sides[side]
         model.set_adapter(adapter)
-        model.zero_grad(set_to_none=True)
-        times: list = []
-        with timer.region(times):
-            loss().backward()
-            optimizer.step()
-        proof()
-        return times[0]
+        return timed_step(timer, model, optimizer, proof, loss)
 
     out = alternate(name, {side: lambda side=side: step_ms(side) for side in sides}, pairs, warmup=warmup)
     proofs = {side: proof.result() for side, (_, _, proof) in sides.items()}
