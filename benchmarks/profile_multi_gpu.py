@@ -39,6 +39,7 @@ from profile_step import top  # noqa: E402
 
 
 VARIANTS = ("lora", "ours", "ours_whole_norm", "ours_own_group", "ours_eager")
+VARIANT_ENV = ("PEFT_DORA_FUSED", "PEFT_DORA_SHARDED_NORM")  # what a variant sets: cleared before and after it
 _OWN_GROUP = []
 
 
@@ -79,7 +80,7 @@ def _sync(device) -> None:
 def run_variant(variant: str, spec: dict, rank: int, device, mesh, world: int, proc: int, steps: int) -> dict:
     from peft.tuners.lora import dora, dora_dist
 
-    for name in ("PEFT_DORA_FUSED", "PEFT_DORA_SHARDED_NORM"):
+    for name in VARIANT_ENV:
         os.environ.pop(name, None)
     if variant == "ours_eager":
         os.environ["PEFT_DORA_FUSED"] = "0"
@@ -135,7 +136,7 @@ def run_variant(variant: str, spec: dict, rank: int, device, mesh, world: int, p
         return out
     finally:
         dora_dist._row_group = row_group
-        for name in ("PEFT_DORA_FUSED", "PEFT_DORA_SHARDED_NORM"):
+        for name in VARIANT_ENV:
             os.environ.pop(name, None)
 
 
