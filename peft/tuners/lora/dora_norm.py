@@ -142,7 +142,7 @@ def factored_row_norm(
         w_sq: ``||W||²_row`` if already known (a frozen weight's cached value), fp32 [d_out].
     """
     d_out, d_in, r = chain_shapes(weight.shape, lora_A, lora_B)
-    if _norm_kernel_applies(weight, lora_A, lora_B):
+    if _norm_kernel_applies(weight, lora_A, lora_B) or (w_sq is None and _kernel_beats_split(weight, lora_A, lora_B)):
         return dora_norm_triton.row_norm_checked(weight, lora_A, lora_B, scale)
     budget = get_dora_norm_threshold_bytes() if chunk_bytes is None else chunk_bytes
     cs = _chunk_columns(d_out, r, d_in, budget)
@@ -226,6 +226,28 @@ def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: tor
         and lora_A.shape[0] <= _KERNEL_MAX_RANK
     ):
         return False  # decided by dtypes and rank alone: the support check below costs host time on every forward
+    return dora_norm_triton.row_norm_supported(weight, lora_A, lora_B)
+
+
+# Where no kept ``||W||²`` is at hand (a ``reduce-overhead`` compiled graph, inference tensors, PEFT_DORA_NORM_CACHE=0),
+# the split path reads W twice (``||W||²``, then ``W·Aᵀ``) and the one-pass kernel once. Per Llama-3.1-8B decoder layer
+# on the H200 (``benchmarks/results/bench_norm.json``, CUDA-graph replays), kernel against split, µs: fp32 adapters
+# 302/460 (r = 8), 304/450 (16), 355/465 (32), 578/503 (64); bf16 adapters 254/425 (16), 270/448 (64), 593/491 (128).
+# With ``||W||²`` kept, the split path is ahead at every rank (fp32 r = 16: 259 µs) and stays.
+_KERNEL_MAX_RANK_UNKEPT = {"half": 64, "mixed": 32}
+
+
+def _kernel_beats_split(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
+    """Whether the one-pass kernel computes a norm that has no kept ``||W||²`` where auto would take the split path:
+    a half W with fp32 adapters (PEFT's autocast default) at rank ≤ 32, or half adapters of W's dtype at rank ≤ 64."""
+    env = settings()
+    if env.fused is False or env.norm_kernel is not None or weight.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    same = lora_A.dtype == lora_B.dtype == weight.dtype
+    if not same and any(t.dtype not in (torch.float32, weight.dtype) for t in (lora_A, lora_B)):
+        return False
+    if lora_A.shape[0] > _KERNEL_MAX_RANK_UNKEPT["half" if same else "mixed"]:
+        return False
     return dora_norm_triton.row_norm_supported(weight, lora_A, lora_B)
 
 

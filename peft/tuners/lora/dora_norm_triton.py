@@ -88,16 +88,20 @@ if HAS_TRITON:
     @triton.jit
     def _row_norm_partial_kernel(
         w_ptr, a_ptr, b_ptr, partial_ptr,
-        n_rows, n_cols, rank, n_row_blocks, cols_per_split, scale,
+        n_rows, n_cols, rank, n_row_blocks, cols_per_split, scale, inv_scale,
         stride_wm, stride_wk, stride_ar, stride_ak, stride_bm, stride_br,
         NATIVE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, B_RESIDENT: tl.constexpr,
-        FINISH: tl.constexpr,
+        FINISH: tl.constexpr, FOLD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     ):  # fmt: skip
         """partial[split, rows] = sum over the split's columns of (W + s·B·A)²; with FINISH (one split) the root.
 
         Row blocks vary fastest, so programs in flight together share the split's A tiles in L2. With B_RESIDENT
-        (rank <= BLOCK_R) the program's B rows are loaded once instead of once per column tile.
+        (rank <= BLOCK_R) the program's B rows are loaded once instead of once per column tile. With FOLD the tile
+        starts from ``W/s`` as the dots' accumulator and the sums are scaled by ``s²`` at the end: ``s·(B·A)`` as a
+        product of its own, added to ``W``, took the kernel from 34 to 53 µs on a Llama-8B gate projection (H200,
+        ``benchmarks/probe_norm_kernel.py --variants --toggles``); Triton adds a tile to a dot's result in its
+        accumulator, not a scaled one.
         """
         pid = tl.program_id(0).to(tl.int64)
         split = pid // n_row_blocks
@@ -111,7 +115,12 @@ if HAS_TRITON:
         for c in range(col_start, col_end, BLOCK_K):
             cols = c + tl.arange(0, BLOCK_K)
             col_mask = cols < n_cols
-            p = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            w_mask = (rows[:, None] < n_rows) & col_mask[None, :]
+            w = tl.load(w_ptr + rows[:, None] * stride_wm + cols[None, :] * stride_wk, mask=w_mask, other=0.0)
+            if FOLD:
+                p = w.to(tl.float32) * inv_scale
+            else:
+                p = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
             if B_RESIDENT:
                 p = _ba_dot(
                     b_res, a_ptr, r_offs, cols, col_mask, rank, stride_ar, stride_ak, p, NATIVE, SPLIT, PRECISION
@@ -121,13 +130,13 @@ if HAS_TRITON:
                     ks = r0 + r_offs
                     b = _b_tile(b_ptr, rows, ks, n_rows, rank, stride_bm, stride_br)
                     p = _ba_dot(b, a_ptr, ks, cols, col_mask, rank, stride_ar, stride_ak, p, NATIVE, SPLIT, PRECISION)
-            w_mask = (rows[:, None] < n_rows) & col_mask[None, :]
-            w = tl.load(w_ptr + rows[:, None] * stride_wm + cols[None, :] * stride_wk, mask=w_mask, other=0.0)
-            v = w.to(tl.float32) + scale * p
+            v = p if FOLD else w.to(tl.float32) + scale * p
             # Padded columns hold 0 unless B is non-finite (Inf·0): keep them out of the row sums.
             v = tl.where(col_mask[None, :], v, 0.0)
             # A [BLOCK_M] accumulator rather than a [BLOCK_M, BLOCK_K] one: ~30 fewer registers a thread on sm_90.
             acc += tl.sum(v * v, axis=1)
+        if FOLD:
+            acc = acc * (scale * scale)
         if FINISH:
             acc = _root(acc)
         tl.store(partial_ptr + split * n_rows + rows, acc, mask=rows < n_rows)
@@ -230,16 +239,26 @@ if HAS_TRITON:
 
 # H200 SM count, used when there is no CUDA device to ask (the interpreter).
 _DEFAULT_SM_COUNT = 132
-# Starting points for the H200, still to be timed there. 64 x 64 tiles run as one m64n64 wgmma per 8-deep (TF32) or
-# 16-deep (half) rank step; 3 stages pipeline the operand loads. Warps from ptxas' register counts for sm_90
-# (contiguous operands): with B resident, 4 warps need 118-134 registers a thread; looping over the rank, 4 warps
-# need 253-255 and spill with 3xTF32, while 8 warps need 120-222 and do not spill.
-_BLOCK_M, _BLOCK_K, _NUM_STAGES = 64, 64, 3
-_WARPS_RESIDENT, _WARPS_RANK_LOOP = 4, 8
-# At least this many column tiles per split, so the per-split partial store and the finish pass stay small next to
-# the tile work; splits are only added until there are about two programs per SM.
-_MIN_TILES_PER_SPLIT = 4
-_PROGRAMS_PER_SM = 2
+
+
+class _Policy(NamedTuple):
+    block_m: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int  # splits are added until row blocks x splits reach about this many programs per SM
+    min_tiles_per_split: int  # ... keeping at least this many column tiles in each
+
+
+# B resident (rank <= 64, all that auto gives the kernel): the fastest of a grid of tiles, warps, stages and splits
+# on the H200 summed over a Llama-8B layer's projections at r = 16, 32 and 64, bf16 and fp32 adapters, W read cold
+# (``benchmarks/probe_norm_kernel.py``, ``results/profile/probe_norm_kernel_*.json``): 165-200 µs against 208-272
+# for the 64 x 64 tiles, 3 stages and two programs per SM it replaced (r = 16). Many short splits keep enough loads in
+# flight for a memory-bound pass; the finish pass adds them in order.
+_RESIDENT = _Policy(block_m=64, block_k=128, num_warps=4, num_stages=2, programs_per_sm=8, min_tiles_per_split=1)
+# Looping over the rank (PEFT_DORA_NORM_KERNEL=1 above rank 64): 64 x 64 tiles, 3 stages; warps from ptxas' register
+# counts for sm_90 (4 warps need 253-255 registers a thread and spill with 3xTF32, 8 need 120-222 and do not).
+_RANK_LOOP = _Policy(block_m=64, block_k=64, num_warps=8, num_stages=3, programs_per_sm=2, min_tiles_per_split=4)
 _FINISH_BLOCK = 256
 
 
@@ -290,21 +309,22 @@ def _sm_count(device_index: int | None) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _launch_config(n_rows: int, n_col_tiles: int, rank_bucket: int, sm_count: int) -> _Config:
-    """Blocks and the column split for a [n_rows, n_col_tiles * BLOCK_K] weight.
+def _launch_config(n_rows: int, n_cols: int, rank_bucket: int, sm_count: int) -> _Config:
+    """Blocks and the column split for a [n_rows, n_cols] weight, from ``_RESIDENT`` or ``_RANK_LOOP``.
 
     BLOCK_R is the rank rounded up to a power of two in [16, 64] (tl.dot needs every dim >= 16; masking pads with
-    zeros), so all ranks share three variants. Splits are added until row blocks x splits reach about two programs
-    per SM, keeping at least ``_MIN_TILES_PER_SPLIT`` column tiles in each. The split width is a runtime argument,
-    not a compiled constant, so the exact sizes cost nothing but a cache entry per layer shape.
+    zeros), so all ranks share three variants. The split width is a runtime argument, not a compiled constant, so
+    the exact sizes cost nothing but a cache entry per layer shape.
     """
     block_r = min(64, max(16, rank_bucket))
-    warps = _WARPS_RESIDENT if rank_bucket <= block_r else _WARPS_RANK_LOOP
-    row_blocks = -(-n_rows // _BLOCK_M)
-    max_splits = max(1, n_col_tiles // _MIN_TILES_PER_SPLIT)
-    n_splits = min(max_splits, -(-_PROGRAMS_PER_SM * sm_count // row_blocks))
+    policy = _RESIDENT if rank_bucket <= block_r else _RANK_LOOP
+    n_col_tiles = -(-n_cols // policy.block_k)
+    row_blocks = -(-n_rows // policy.block_m)
+    max_splits = max(1, n_col_tiles // policy.min_tiles_per_split)
+    n_splits = min(max_splits, -(-policy.programs_per_sm * sm_count // row_blocks))
     tiles_per_split = -(-n_col_tiles // n_splits)
-    return _Config(_BLOCK_M, _BLOCK_K, block_r, tiles_per_split * _BLOCK_K, warps, _NUM_STAGES)
+    cols = tiles_per_split * policy.block_k
+    return _Config(policy.block_m, policy.block_k, block_r, cols, policy.num_warps, policy.num_stages)
 
 
 def _dot_mode(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> tuple[bool, bool, str]:
@@ -325,6 +345,16 @@ def _dot_mode(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) 
     return False, True, "ieee"
 
 
+# ``W/s`` and its square stay far inside fp32's range for a half W (|W| <= 65504) at these scales; outside them (and
+# for s = 0) the kernel adds ``s·(B·A)`` to ``W`` as a product of its own.
+_FOLD_SCALES = (2.0**-16, 2.0**16)
+
+
+def _folds(weight: torch.Tensor, scale: float) -> bool:
+    """Whether the kernel starts its tiles from ``W/s`` (FOLD): a half W and ``_FOLD_SCALES[0] <= |s| <= [1]``."""
+    return weight.dtype in _HALF_DTYPES and _FOLD_SCALES[0] <= abs(float(scale)) <= _FOLD_SCALES[1]
+
+
 def _row_norm_triton(weight, lora_A, lora_B, scale, config: _Config):
     d_out, d_in = weight.shape
     rank = lora_A.shape[0]
@@ -334,13 +364,15 @@ def _row_norm_triton(weight, lora_A, lora_B, scale, config: _Config):
     # One split: the first kernel takes the root and writes the output directly (one launch instead of two).
     partial = out if n_splits == 1 else torch.empty((n_splits, d_out), dtype=torch.float32, device=weight.device)
     native, split, precision = _dot_mode(weight, lora_A, lora_B)
+    fold = _folds(weight, scale)
     with device_switch(weight) or contextlib.nullcontext():
         _row_norm_partial_kernel[(row_blocks * n_splits,)](
             weight, lora_A, lora_B, partial,
-            d_out, d_in, rank, row_blocks, config.cols_per_split, float(scale),
+            d_out, d_in, rank, row_blocks, config.cols_per_split, float(scale), 1.0 / scale if fold else 1.0,
             weight.stride(0), weight.stride(1), lora_A.stride(0), lora_A.stride(1),
             lora_B.stride(0), lora_B.stride(1),
             NATIVE=native, SPLIT=split, PRECISION=precision, B_RESIDENT=rank <= config.block_r, FINISH=n_splits == 1,
+            FOLD=fold,
             BLOCK_M=config.block_m, BLOCK_K=config.block_k, BLOCK_R=config.block_r,
             num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False,
         )  # fmt: skip
@@ -380,8 +412,7 @@ def row_norm_checked(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.T
     if d_in == 0:
         return torch.zeros(d_out, dtype=torch.float32, device=weight.device)
     sm_count = _sm_count(weight.device.index if weight.is_cuda else None)
-    n_col_tiles = _cdiv(d_in, _BLOCK_K)
-    config = _launch_config(d_out, n_col_tiles, _next_pow2(lora_A.shape[0]), sm_count)
+    config = _launch_config(d_out, d_in, _next_pow2(lora_A.shape[0]), sm_count)
     return _row_norm_triton(weight, lora_A, lora_B, scale, config)
 
 

@@ -108,14 +108,14 @@ def test_several_splits(d_out, d_in, r):
 
 def test_default_policy_splits_wide_weights():
     weight, lora_A, lora_B = _inputs(20, 600, 3)
-    config = N._launch_config(20, 10, 4, N._DEFAULT_SM_COUNT)
+    config = N._launch_config(20, 600, 4, N._DEFAULT_SM_COUNT)
     assert -(-600 // config.cols_per_split) > 1
     _check(N.triton_row_norm(weight, lora_A, lora_B, SCALE), weight, lora_A, lora_B)
 
 
 def test_bitwise_repeatable():
     weight, lora_A, lora_B = _inputs(37, 100, 20, torch.bfloat16, torch.float32)
-    for config in (SMALL, N._launch_config(37, 2, 32, N._DEFAULT_SM_COUNT)):
+    for config in (SMALL, N._launch_config(37, 100, 32, N._DEFAULT_SM_COUNT)):
         first = N._row_norm_triton(weight, lora_A, lora_B, SCALE, config)
         assert torch.equal(first, N._row_norm_triton(weight, lora_A, lora_B, SCALE, config))
 
@@ -140,6 +140,27 @@ def test_nan_and_inf_propagate(config):
     got = _norm(weight, lora_A, lora_B, SCALE, config)
     assert got[3].isnan() and got[9] == float("inf") and got[20] == float("inf")
     _check(got, weight, lora_A, lora_B)  # every other row as usual, NaN/Inf in the same places
+
+
+@pytest.mark.parametrize("scale", [-0.5, 2.0**-17, 2.0**-16, 3.0, 2.0**16, 2.0**17])
+@pytest.mark.parametrize("ab_dtype", [torch.bfloat16, torch.float32])
+def test_scales_in_and_outside_the_folded_range(scale, ab_dtype):
+    """A half W's tiles start from ``W/s`` inside ``_FOLD_SCALES`` and add ``s·(B·A)`` outside it: the same norm
+    either way, negative scales included (B scaled so that ``s·B·A`` stays comparable to W)."""
+    weight, lora_A, lora_B = _inputs(37, 100, 20, torch.bfloat16, ab_dtype)
+    lora_B = (lora_B.float() / abs(scale)).to(ab_dtype)
+    assert N._folds(weight, scale) == (2.0**-16 <= abs(scale) <= 2.0**16)
+    for config in (None, SMALL):
+        _check(_norm(weight, lora_A, lora_B, scale, config), weight, lora_A, lora_B, scale)
+
+
+def test_nan_and_inf_propagate_through_the_folded_tiles():
+    weight, lora_A, lora_B = _inputs(37, 100, 20, torch.bfloat16, torch.bfloat16)
+    weight[3, 50], weight[9, 0], weight[20, 99] = float("nan"), float("inf"), float("-inf")
+    assert N._folds(weight, SCALE)
+    got = N.triton_row_norm(weight, lora_A, lora_B, SCALE)
+    assert got[3].isnan() and got[9] == float("inf") and got[20] == float("inf")
+    _check(got, weight, lora_A, lora_B)
 
 
 def test_ignores_autocast_and_autograd():
@@ -204,8 +225,9 @@ def test_split_norm_support_rules():
 
 @pytest.mark.parametrize("r", [16, 40])
 def test_half_adapters_take_the_kernel_up_to_its_rank_and_the_split_norm_above(r, monkeypatch):
-    """``factored_row_norm`` of half adapters of W's dtype (auto): the one-pass kernel up to ``_KERNEL_MAX_RANK``, the
-    split norm's GEMMs above it (A unsplit); either way within the fp64 reference's tolerance."""
+    """``factored_row_norm`` of half adapters of W's dtype (auto) with a kept ``||W||²`` (a frozen W in training): the
+    one-pass kernel up to ``_KERNEL_MAX_RANK``, the split norm's GEMMs above it (A unsplit); either way within the
+    fp64 reference's tolerance."""
     from peft.tuners.lora import dora, dora_norm
 
     weight, lora_A, lora_B = _inputs(48, 96, r, torch.bfloat16, torch.bfloat16)
@@ -213,6 +235,27 @@ def test_half_adapters_take_the_kernel_up_to_its_rank_and_the_split_norm_above(r
     for name in ("row_norm_checked", "split_row_norm"):
         real = getattr(N, name)
         monkeypatch.setattr(N, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
-    got = dora.factored_row_norm(weight, lora_A, lora_B, SCALE)
+    got = dora.factored_row_norm(weight, lora_A, lora_B, SCALE, w_sq=dora_norm.row_sq_norm(weight))
     assert calls == ["row_norm_checked" if r <= dora_norm._KERNEL_MAX_RANK else "split_row_norm"]
     _check(got, weight, lora_A, lora_B)
+
+
+@pytest.mark.parametrize("adapters,r", [("fp32", 16), ("fp32", 40), ("bf16", 40), ("bf16", 70)])
+def test_a_norm_without_kept_w_sq_takes_the_kernel_where_it_reads_w_once(adapters, r, monkeypatch):
+    """With no kept ``||W||²`` (``w_sq=None``: a reduce-overhead graph, inference tensors) the split path would read W
+    twice: the one-pass kernel takes fp32 adapters up to rank 32 and half ones of W's dtype up to 64; with ``w_sq``
+    given the split path keeps them. Both within the fp64 reference's tolerance."""
+    from peft.tuners.lora import dora, dora_norm
+
+    dtype = torch.float32 if adapters == "fp32" else torch.bfloat16
+    weight, lora_A, lora_B = _inputs(48, 96, r, torch.bfloat16, dtype)
+    calls = []
+    for name in ("row_norm_checked", "split_row_norm"):
+        real = getattr(N, name)
+        monkeypatch.setattr(N, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    unkept = dora.factored_row_norm(weight, lora_A, lora_B, SCALE)
+    kept = dora.factored_row_norm(weight, lora_A, lora_B, SCALE, w_sq=dora_norm.row_sq_norm(weight))
+    limit = dora_norm._KERNEL_MAX_RANK_UNKEPT["mixed" if adapters == "fp32" else "half"]
+    assert calls == ["row_norm_checked" if r <= limit else "split_row_norm", "split_row_norm"]
+    _check(unkept, weight, lora_A, lora_B)
+    _check(kept, weight, lora_A, lora_B)

@@ -110,15 +110,20 @@ def test_dot_mode(interpret):
     [(4096, 4096, 768), (14336, 4096, 384), (4096, 14336, 384), (28672, 4096, 64), (4096, 28672, 16), (64, 64, 1)],
 )
 def test_launch_policy(d_out, d_in, r):
-    tiles = -(-d_in // N._BLOCK_K)
-    cfg = N._launch_config(d_out, tiles, N._next_pow2(r), 132)
+    cfg = N._launch_config(d_out, d_in, N._next_pow2(r), 132)
+    policy = N._RESIDENT if r <= 64 else N._RANK_LOOP
+    assert (cfg.block_m, cfg.block_k, cfg.num_warps, cfg.num_stages) == policy[:4]
+    tiles = -(-d_in // cfg.block_k)
     splits, row_blocks = -(-d_in // cfg.cols_per_split), -(-d_out // cfg.block_m)
     assert cfg.cols_per_split % cfg.block_k == 0 and min(cfg.block_m, cfg.block_k, cfg.block_r) >= 16
     assert cfg.block_r == min(64, max(16, N._next_pow2(r)))
-    assert splits == 1 or cfg.cols_per_split // cfg.block_k >= N._MIN_TILES_PER_SPLIT
-    # Enough programs for two per SM, unless the columns are already split as finely as allowed.
-    assert row_blocks * splits >= 2 * 132 or splits >= tiles // N._MIN_TILES_PER_SPLIT
-    assert splits == 1 or row_blocks * (splits - 1) < 2 * 132  # no more splits than needed
+    assert splits == 1 or cfg.cols_per_split // cfg.block_k >= policy.min_tiles_per_split
+    # Splits asked for: enough for the policy's programs per SM, unless the columns are already split as finely as
+    # allowed; the split width rounds up to whole tiles, so fewer may come of it, never more.
+    programs = policy.programs_per_sm * 132
+    asked = max(1, min(tiles // policy.min_tiles_per_split, -(-programs // row_blocks)))
+    assert cfg.cols_per_split // cfg.block_k == -(-tiles // asked) and splits <= asked
+    assert splits == 1 or row_blocks * (splits - 1) < programs  # no more splits than needed
 
 
 def test_norm_kernel_dispatch_follows_dtypes_and_switch(dora_env, monkeypatch):
