@@ -142,7 +142,7 @@ def factored_row_norm(
         w_sq: ``||W||²_row`` if already known (a frozen weight's cached value), fp32 [d_out].
     """
     d_out, d_in, r = chain_shapes(weight.shape, lora_A, lora_B)
-    if _norm_kernel_applies(weight, lora_A, lora_B) or (w_sq is None and _kernel_beats_split(weight, lora_A, lora_B)):
+    if _norm_kernel_applies(weight, lora_A, lora_B):
         return dora_norm_triton.row_norm_checked(weight, lora_A, lora_B, scale)
     budget = get_dora_norm_threshold_bytes() if chunk_bytes is None else chunk_bytes
     cs = _chunk_columns(d_out, r, d_in, budget)
@@ -198,62 +198,46 @@ def hi_lo(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
     return out
 
 
-# The one-pass kernel's largest rank on auto. It reads W once and multiplies on the tensor cores through Triton's
-# dots, which ran at ~160 TFLOP/s on an H100 (compiled training at r = 384, bf16 adapters, eight Llama-8B layers:
-# 8.3 ms, 6 % of the step; the same run with fp32 adapters spent 5.0 ms in cuBLAS GEMMs against a twice-as-wide
-# hi/lo-split A). Its product costs r FLOP per byte of W it reads, so below r ≈ 48 reading W bounds both paths alike
-# and its one or two launches (against the cuBLAS path's six) decide.
-_KERNEL_MAX_RANK = 32
+# The one-pass kernel's largest ranks on auto: half adapters of W's dtype, and fp32 (or mixed) adapters, PEFT's
+# autocast default. It reads W once; its products cost r FLOP per byte of W read (three bf16 hi/lo products for fp32
+# adapters), so at small ranks reading W bounds it, where the split path reads W for ``W·Aᵀ`` and again for
+# ``||W||²`` unless a frozen W's is kept. Per Llama-3.1-8B decoder layer on the H200 (``benchmarks/bench_norm.py``,
+# ``results/bench_norm.json``, CUDA-graph replays), kernel / split with ``||W||²`` kept / split computing it, µs: fp32
+# adapters 202/261/453 (r = 16), 267/274/470 (32), 449/303/506 (64); bf16 adapters 161/235/424 (16), 184/258/452 (64),
+# 548/297/495 (128).
+_KERNEL_MAX_RANK = 64
+_KERNEL_MAX_RANK_MIXED = 32
 
 
 def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
     """Whether the one-pass Triton norm (``dora_norm_triton``) computes this norm instead of the forms below.
 
-    Auto (PEFT_DORA_NORM_KERNEL unset): for a half weight with adapters of the same half dtype at rank ≤
-    ``_KERNEL_MAX_RANK``, where it is both faster and more precise than the PyTorch form on the H200 (bf16 layer of
-    seven Llama projections: 1.2 vs 1.8 ms GPU time per decode step, two launches instead of ten, 1.6e-7 vs 1e-5
-    relative error); larger ranks take the cuBLAS GEMMs of ``_split_norm_applies``, as fp32 adapters (PEFT's
-    autocast default) do at every rank, where the kernel's three bf16 hi/lo products took ~4x the time of cuBLAS
-    GEMMs against a split A at r = 384. PEFT_DORA_NORM_KERNEL=1 takes the kernel wherever it runs, 0 never (the
-    PyTorch form), and PEFT_DORA_FUSED=0 turns it off with the other kernels.
+    Auto (PEFT_DORA_NORM_KERNEL unset): a half weight with adapters of the same half dtype at rank ≤
+    ``_KERNEL_MAX_RANK``, or fp32 adapters (either or both, the other of W's dtype) at rank ≤
+    ``_KERNEL_MAX_RANK_MIXED``, where it is faster than the split path's cuBLAS GEMMs even with a kept ``||W||²`` and
+    at least as precise (~1e-7 relative); larger ranks take ``_split_norm_applies``'s GEMMs (the kernel's products
+    took ~4x their time at r = 384). PEFT_DORA_NORM_KERNEL=1 takes the kernel wherever it runs, 0 never (the PyTorch
+    form), and PEFT_DORA_FUSED=0 turns it off with the other kernels.
     """
     env = settings()
     if env.fused is False or env.norm_kernel is False:
         return False
-    if env.norm_kernel is None and not (
-        weight.dtype in (torch.bfloat16, torch.float16)
-        and lora_A.dtype == lora_B.dtype == weight.dtype
-        and lora_A.shape[0] <= _KERNEL_MAX_RANK
-    ):
-        return False  # decided by dtypes and rank alone: the support check below costs host time on every forward
-    return dora_norm_triton.row_norm_supported(weight, lora_A, lora_B)
-
-
-# Where no kept ``||W||²`` is at hand (a ``reduce-overhead`` compiled graph, inference tensors, PEFT_DORA_NORM_CACHE=0),
-# the split path reads W twice (``||W||²``, then ``W·Aᵀ``) and the one-pass kernel once. Per Llama-3.1-8B decoder layer
-# on the H200 (``benchmarks/results/bench_norm.json``, CUDA-graph replays), kernel against split, µs: fp32 adapters
-# 302/460 (r = 8), 304/450 (16), 355/465 (32), 578/503 (64); bf16 adapters 254/425 (16), 270/448 (64), 593/491 (128).
-# With ``||W||²`` kept, the split path is ahead at every rank (fp32 r = 16: 259 µs) and stays.
-_KERNEL_MAX_RANK_UNKEPT = {"half": 64, "mixed": 32}
-
-
-def _kernel_beats_split(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
-    """Whether the one-pass kernel computes a norm that has no kept ``||W||²`` where auto would take the split path:
-    a half W with fp32 adapters (PEFT's autocast default) at rank ≤ 32, or half adapters of W's dtype at rank ≤ 64."""
-    env = settings()
-    if env.fused is False or env.norm_kernel is not None or weight.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    same = lora_A.dtype == lora_B.dtype == weight.dtype
-    if not same and any(t.dtype not in (torch.float32, weight.dtype) for t in (lora_A, lora_B)):
-        return False
-    if lora_A.shape[0] > _KERNEL_MAX_RANK_UNKEPT["half" if same else "mixed"]:
-        return False
+    if env.norm_kernel is None:  # decided by dtypes and rank first: the support check costs host time every forward
+        if weight.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if lora_A.dtype == lora_B.dtype == weight.dtype:
+            if lora_A.shape[0] > _KERNEL_MAX_RANK:
+                return False
+        elif lora_A.shape[0] > _KERNEL_MAX_RANK_MIXED or any(
+            t.dtype not in (torch.float32, weight.dtype) for t in (lora_A, lora_B)
+        ):
+            return False
     return dora_norm_triton.row_norm_supported(weight, lora_A, lora_B)
 
 
 def _split_norm_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
     """Whether ``dora_norm_triton.split_row_norm`` computes the norm on a half weight of fp32 adapters (PEFT's
-    autocast default) or of half adapters the one-pass kernel leaves (rank above ``_KERNEL_MAX_RANK``): seven
+    autocast default) above ``_KERNEL_MAX_RANK_MIXED`` or of half adapters above ``_KERNEL_MAX_RANK``: seven
     launches (three hi/lo splits, three GEMMs, the row-wise epilogue; six for half adapters, whose A is not split;
     one graph launch in training) where the PyTorch form below takes eleven, and the Gram and ``B·G`` on the tensor
     cores instead of fp32 SIMT GEMMs. Off with PEFT_DORA_FUSED=0 or PEFT_DORA_NORM_KERNEL=0 (the PyTorch form), and

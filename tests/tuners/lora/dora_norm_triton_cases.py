@@ -223,28 +223,11 @@ def test_split_norm_support_rules():
     assert not N.split_norm_supported(w, a[:, :7], b)  # shapes that do not chain
 
 
-@pytest.mark.parametrize("r", [16, 40])
-def test_half_adapters_take_the_kernel_up_to_its_rank_and_the_split_norm_above(r, monkeypatch):
-    """``factored_row_norm`` of half adapters of W's dtype (auto) with a kept ``||W||²`` (a frozen W in training): the
-    one-pass kernel up to ``_KERNEL_MAX_RANK``, the split norm's GEMMs above it (A unsplit); either way within the
-    fp64 reference's tolerance."""
-    from peft.tuners.lora import dora, dora_norm
-
-    weight, lora_A, lora_B = _inputs(48, 96, r, torch.bfloat16, torch.bfloat16)
-    calls = []
-    for name in ("row_norm_checked", "split_row_norm"):
-        real = getattr(N, name)
-        monkeypatch.setattr(N, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
-    got = dora.factored_row_norm(weight, lora_A, lora_B, SCALE, w_sq=dora_norm.row_sq_norm(weight))
-    assert calls == ["row_norm_checked" if r <= dora_norm._KERNEL_MAX_RANK else "split_row_norm"]
-    _check(got, weight, lora_A, lora_B)
-
-
-@pytest.mark.parametrize("adapters,r", [("fp32", 16), ("fp32", 40), ("bf16", 40), ("bf16", 70)])
-def test_a_norm_without_kept_w_sq_takes_the_kernel_where_it_reads_w_once(adapters, r, monkeypatch):
-    """With no kept ``||W||²`` (``w_sq=None``: a reduce-overhead graph, inference tensors) the split path would read W
-    twice: the one-pass kernel takes fp32 adapters up to rank 32 and half ones of W's dtype up to 64; with ``w_sq``
-    given the split path keeps them. Both within the fp64 reference's tolerance."""
+@pytest.mark.parametrize("adapters,r", [("bf16", 16), ("bf16", 70), ("fp32", 16), ("fp32", 40)])
+def test_auto_takes_the_kernel_up_to_its_ranks_and_the_split_norm_above(adapters, r, monkeypatch):
+    """``factored_row_norm`` on auto: the one-pass kernel up to ``_KERNEL_MAX_RANK`` (half adapters of W's dtype) or
+    ``_KERNEL_MAX_RANK_MIXED`` (fp32 adapters), the split norm's GEMMs above, whether or not a kept ``||W||²`` is
+    given; either way within the fp64 reference's tolerance."""
     from peft.tuners.lora import dora, dora_norm
 
     dtype = torch.float32 if adapters == "fp32" else torch.bfloat16
@@ -255,7 +238,8 @@ def test_a_norm_without_kept_w_sq_takes_the_kernel_where_it_reads_w_once(adapter
         monkeypatch.setattr(N, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     unkept = dora.factored_row_norm(weight, lora_A, lora_B, SCALE)
     kept = dora.factored_row_norm(weight, lora_A, lora_B, SCALE, w_sq=dora_norm.row_sq_norm(weight))
-    limit = dora_norm._KERNEL_MAX_RANK_UNKEPT["mixed" if adapters == "fp32" else "half"]
-    assert calls == ["row_norm_checked" if r <= limit else "split_row_norm", "split_row_norm"]
+    limit = dora_norm._KERNEL_MAX_RANK_MIXED if adapters == "fp32" else dora_norm._KERNEL_MAX_RANK
+    assert calls == ["row_norm_checked" if r <= limit else "split_row_norm"] * 2
+    assert dora_norm.w_sq_reusable(weight, lora_A, lora_B) == (r > limit)  # no ||W||² kept where the kernel runs
     _check(unkept, weight, lora_A, lora_B)
     _check(kept, weight, lora_A, lora_B)

@@ -41,7 +41,8 @@ def _eager_norm(model):
     layer = _layer(model)
     w = layer.base_layer.weight
     a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-    return dora.factored_row_norm(w, a, b, layer.scaling["default"])
+    w_sq = dora.dora_norm.row_sq_norm(w) if dora.dora_norm.w_sq_reusable(w, a, b) else None  # as the layer keeps it
+    return dora.factored_row_norm(w, a, b, layer.scaling["default"], w_sq=w_sq)
 
 
 def _train(model, steps, autocast, x, gy, edit=None):

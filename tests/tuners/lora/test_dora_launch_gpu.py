@@ -38,10 +38,10 @@ def _step(model, x, gy, autocast):
     return y.detach().clone(), grads
 
 
-@pytest.mark.parametrize("adapters,r", [("fp32_autocast", 64), ("bf16", 16), ("bf16", 64)])
+@pytest.mark.parametrize("adapters,r", [("fp32_autocast", 64), ("fp32_autocast", 16), ("bf16", 16), ("bf16", 128)])
 def test_direct_launches_match_triton_s_launches(adapters, r):
-    """fp32 adapters and half ones above ``_KERNEL_MAX_RANK`` take the split norm (its split and epilogue kernels
-    around cuBLAS), half ones up to it the one-pass norm kernel."""
+    """fp32 adapters above ``_KERNEL_MAX_RANK_MIXED`` and half ones above ``_KERNEL_MAX_RANK`` take the split norm (its
+    split and epilogue kernels around cuBLAS), smaller ranks the one-pass norm kernel."""
     assert dora_launch._direct[0], "the direct path is off on this GPU (Triton's launcher API differs?)"
     autocast = adapters == "fp32_autocast"
     model = _model(torch.float32 if autocast else torch.bfloat16, r=r)
@@ -51,7 +51,7 @@ def test_direct_launches_match_triton_s_launches(adapters, r):
         k()._cache.clear()
     first = _step(model, x, gy, autocast)  # every signature new: Triton's path
     used = [name for name, k in KERNELS.items() if k()._cache]
-    split = autocast or r > dora_norm._KERNEL_MAX_RANK
+    split = r > (dora_norm._KERNEL_MAX_RANK_MIXED if autocast else dora_norm._KERNEL_MAX_RANK)
     expected = {"output", "backward", "column_sum"} | ({"split", "epilogue"} if split else {"one_pass_norm"})
     assert set(used) == expected, used
     second = _step(model, x, gy, autocast)  # the same signatures: direct

@@ -127,26 +127,28 @@ def test_launch_policy(d_out, d_in, r):
 
 
 def test_norm_kernel_dispatch_follows_dtypes_and_switch(dora_env, monkeypatch):
-    """Auto: the kernel for a half weight with same-dtype half adapters up to rank ``_KERNEL_MAX_RANK`` (above it,
-    and for fp32 adapters (autocast), the cuBLAS split norm) unless PEFT_DORA_NORM_KERNEL=1; 0 or PEFT_DORA_FUSED=0
-    turn it off."""
+    """Auto: the kernel for a half weight with same-dtype half adapters up to rank ``_KERNEL_MAX_RANK`` and with fp32
+    adapters (autocast) up to ``_KERNEL_MAX_RANK_MIXED`` (above them the cuBLAS split norm; an fp32 weight the PyTorch
+    form) unless PEFT_DORA_NORM_KERNEL=1; 0 or PEFT_DORA_FUSED=0 turn it off."""
     from peft.tuners.lora import dora, dora_norm_triton
 
     monkeypatch.setattr(dora_norm_triton, "row_norm_supported", lambda *t: True)
+    applies = dora.dora_norm._norm_kernel_applies
     bf16, f32 = torch.empty(2, 3, dtype=torch.bfloat16), torch.empty(2, 3)
-    a_bf16, b_bf16, a_f32, b_f32 = (
-        torch.empty(1, 3).bfloat16(),
-        torch.empty(2, 1).bfloat16(),
-        torch.empty(1, 3),
-        torch.empty(2, 1),
-    )
-    assert dora.dora_norm._norm_kernel_applies(bf16, a_bf16, b_bf16)
-    assert not dora.dora_norm._norm_kernel_applies(bf16, a_f32, b_f32)
-    assert not dora.dora_norm._norm_kernel_applies(f32, a_f32, b_f32)
+
+    def adapters(r, dtype):
+        return torch.empty(r, 3, dtype=dtype), torch.empty(2, r, dtype=dtype)
+
+    a_bf16, b_bf16 = adapters(1, torch.bfloat16)
+    a_f32, b_f32 = adapters(1, torch.float32)
+    assert applies(bf16, a_bf16, b_bf16) and applies(bf16, a_f32, b_f32) and applies(bf16, a_f32, b_bf16)
+    assert not applies(f32, a_f32, b_f32)
+    assert not applies(bf16, *adapters(1, torch.float16))  # half adapters of another dtype: the PyTorch form
     big = dora.dora_norm._KERNEL_MAX_RANK + 1
-    a_big, b_big = torch.empty(big, 3).bfloat16(), torch.empty(2, big).bfloat16()
-    assert dora.dora_norm._norm_kernel_applies(bf16, a_big[:-1], b_big[:, :-1])
-    assert not dora.dora_norm._norm_kernel_applies(bf16, a_big, b_big)
+    a_big, b_big = adapters(big, torch.bfloat16)
+    assert applies(bf16, a_big[:-1], b_big[:, :-1]) and not applies(bf16, a_big, b_big)
+    mixed = dora.dora_norm._KERNEL_MAX_RANK_MIXED
+    assert applies(bf16, *adapters(mixed, torch.float32)) and not applies(bf16, *adapters(mixed + 1, torch.float32))
     dora_env("PEFT_DORA_NORM_KERNEL", "1")
     applies = dora.dora_norm._norm_kernel_applies
     assert applies(bf16, a_f32, b_f32) and applies(f32, a_f32, b_f32) and applies(bf16, a_big, b_big)
