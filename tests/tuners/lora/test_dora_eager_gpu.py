@@ -169,7 +169,7 @@ def test_autocast_norm_fp32_adapters_within_1e5(d_out, d_in, r, w_dtype, path, d
     assert dora.dora_norm._split_norm_applies(weight, lora_A, lora_B) == (path != "torch")
     if path == "split":
         w_sq = dora.dora_norm.row_sq_norm(weight)
-        got = dora.dora_norm_triton.split_row_norm(weight, lora_A, lora_B, SCALE, w_sq, weight.shape[1])
+        got = dora.dora_norm.dora_norm_triton.split_row_norm(weight, lora_A, lora_B, SCALE, w_sq, weight.shape[1])
     else:
         got = dora.factored_row_norm(weight, lora_A, lora_B, SCALE)
     rel = _max_rel(got, _reference(weight, lora_A, lora_B, SCALE))
