@@ -4,9 +4,10 @@ Paths (``peft/tuners/lora/dora_norm.py``):
 
 * ``kernel``: the one-pass Triton kernel (``dora_norm_triton.row_norm_checked``; ``PEFT_DORA_NORM_KERNEL=1`` takes
   it wherever it runs): ``‖W‖²``, ``W·Aᵀ`` (an fp32 ``A`` as hi and lo half parts) and the Gram in one read of W.
-  The auto rule gives it half adapters of W's dtype at rank ≤ ``dora_norm._KERNEL_MAX_RANK`` only.
-* ``split`` / ``split_kept``: cuBLAS GEMMs against a split ``A`` (``dora_norm_triton.split_row_norm``; auto for fp32
-  adapters, PEFT's autocast default, and above that rank), with ``‖W‖²`` computed in a pass of its own or given, as a
+  The auto rule gives it half adapters of W's dtype up to ``dora_norm._KERNEL_MAX_RANK`` and fp32 adapters up to
+  ``_KERNEL_MAX_RANK_MIXED``.
+* ``split`` / ``split_kept``: cuBLAS GEMMs against a split ``A`` (``dora_norm_triton.split_row_norm``; auto above the
+  kernel's ranks), with ``‖W‖²`` computed in a pass of its own or given, as a
   frozen W's kept value is in training (``split_kept``).
 * ``torch``: the PyTorch form (``PEFT_DORA_NORM_KERNEL=0``).
 
