@@ -22,6 +22,9 @@ cat > "$CB/setup.sh" <<'SETUP'
 # /tmp/upstream, DeepSpeed and bitsandbytes into python3's site-packages; NVLink multicast stays off.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 CB=$PWD/.carry-bench
+# a warm machine keeps /tmp from the last call, and pip --target leaves an existing package in place: start clean,
+# or a rebuilt wheel is silently not the one that runs
+rm -rf /tmp/ours /tmp/upstream
 python3 -m pip install -q --no-deps --no-index --target /tmp/ours "$CB"/peft-0.21.2+dora*.whl >/dev/null 2>&1
 python3 -m pip install -q --no-deps --no-index --target /tmp/upstream "$CB"/peft-0.21.2-py3-none-any.whl >/dev/null 2>&1
 python3 -m pip install -q --no-deps --no-index "$CB"/bitsandbytes-*.whl "$CB"/deepspeed-*.whl "$CB"/hjson-*.whl \
