@@ -22,7 +22,8 @@ import torch
 from bench_norm import ADAPTER_DTYPES, LAYER, gpu_us, reference, tensors
 
 
-BEST = {"q": (64, 128, 4, 3, 4), "k": (64, 128, 4, 3, 4), "gate": (64, 128, 4, 3, 2), "down": (128, 64, 4, 3, 4)}
+# the fastest configuration per projection of the --variants run (results/profile/probe_norm_kernel_variants.json)
+BEST = {"q": (64, 128, 4, 3, 4), "gate": (64, 128, 4, 3, 2), "down": (128, 64, 4, 3, 4)}
 FORMS = ("acc2d=0 dot_init=0", "acc2d=1 dot_init=0", "acc2d=0 dot_init=1", "acc2d=1 dot_init=1")
 COLD_BYTES = 256 << 20  # copies of W per graph: at least this many bytes, several times the L2 cache
 
@@ -34,10 +35,8 @@ def configs(nt, d_out: int, d_in: int, rank: int, sm: int):
     for bm, bk, warps, stages, per_sm in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4), (2, 4, 8)):
         if bm * bk > 4096 * warps or (rank > block_r and warps == 4):
             continue  # the fp32 tile alone would take over 128 registers a thread; the rank loop spills with 4
-        tiles, row_blocks = nt._cdiv(d_in, bk), nt._cdiv(d_out, bm)
-        splits = max(1, min(tiles, nt._cdiv(per_sm * sm, row_blocks)))
-        cols = nt._cdiv(tiles, splits) * bk
-        yield f"m{bm} k{bk} w{warps} s{stages} p{per_sm}", nt._Config(bm, bk, block_r, cols, warps, stages)
+        policy = nt._Policy(bm, bk, warps, stages, programs_per_sm=per_sm, min_tiles_per_split=1)
+        yield f"m{bm} k{bk} w{warps} s{stages} p{per_sm}", nt._policy_config(policy, d_out, d_in, block_r, sm)
 
 
 def probe(args) -> dict:
@@ -143,9 +142,9 @@ def probe_variants(args) -> list:
             bm, bk, warps, stages, per_sm = BEST[name]
             grid = [(False, False, bm, bk, warps, stages, per_sm, t) for t in range(8)]
         for acc2d, dot_init, bm, bk, warps, stages, per_sm, toggles in grid:
-            tiles, row_blocks = nt._cdiv(d_in, bk), nt._cdiv(d_out, bm)
-            splits = max(1, min(tiles, nt._cdiv(per_sm * sm, row_blocks)))
-            cols = nt._cdiv(tiles, splits) * bk
+            policy = nt._Policy(bm, bk, warps, stages, programs_per_sm=per_sm, min_tiles_per_split=1)
+            cols = nt._policy_config(policy, d_out, d_in, block_r, sm).cols_per_split
+            row_blocks, splits = nt._cdiv(d_out, bm), nt._cdiv(d_in, cols)
             part = torch.empty(splits, d_out, device="cuda")
 
             def run(c, bm=bm, bk=bk, warps=warps, stages=stages, cols=cols, acc2d=acc2d, dot_init=dot_init,

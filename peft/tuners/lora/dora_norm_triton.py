@@ -317,7 +317,12 @@ def _launch_config(n_rows: int, n_cols: int, rank_bucket: int, sm_count: int) ->
     the exact sizes cost nothing but a cache entry per layer shape.
     """
     block_r = min(64, max(16, rank_bucket))
-    policy = _RESIDENT if rank_bucket <= block_r else _RANK_LOOP
+    return _policy_config(_RESIDENT if rank_bucket <= block_r else _RANK_LOOP, n_rows, n_cols, block_r, sm_count)
+
+
+def _policy_config(policy: _Policy, n_rows: int, n_cols: int, block_r: int, sm_count: int) -> _Config:
+    """``policy``'s blocks, and splits added until row blocks x splits reach about ``policy.programs_per_sm`` per SM,
+    keeping at least ``policy.min_tiles_per_split`` column tiles in each."""
     n_col_tiles = -(-n_cols // policy.block_k)
     row_blocks = -(-n_rows // policy.block_m)
     max_splits = max(1, n_col_tiles // policy.min_tiles_per_split)

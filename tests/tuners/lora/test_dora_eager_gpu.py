@@ -164,8 +164,8 @@ def test_autocast_norm_fp32_adapters_within_1e5(d_out, d_in, r, w_dtype, path, d
     if path == "torch":
         dora_env("PEFT_DORA_NORM_KERNEL", "0")
     weight, lora_A, lora_B = _adapter(d_out, d_in, r, w_dtype, torch.float32, ratio=0.1, seed=5)
-    kernel = r <= dora.dora_norm._KERNEL_MAX_RANK_MIXED and path == "auto"
-    assert dora.dora_norm._norm_kernel_applies(weight, lora_A, lora_B) == kernel or path == "split"
+    kernel = r <= dora.dora_norm._KERNEL_MAX_RANK_MIXED and path != "torch"  # auto's rule ("split" bypasses it)
+    assert dora.dora_norm._norm_kernel_applies(weight, lora_A, lora_B) == kernel
     assert dora.dora_norm._split_norm_applies(weight, lora_A, lora_B) == (path != "torch")
     if path == "split":
         w_sq = dora.dora_norm.row_sq_norm(weight)
