@@ -452,6 +452,13 @@ class DoraLinearLayer(nn.Module):
         provably hold (sharded under FSDP2), else a fresh one (``batched``: the training node's forward, whose norm
         may come from the device's batch, ``dora_batch``)."""
         if type(self) is DoraLinearLayer and not (self.fan_in_fan_out or ENABLE_DORA_CACHING):
+            record = self._reuse.record
+            if record is not None and self.training and not capturing(()):
+                # the training norm's record (``dora_norm.eager_record``): one graph replay, or the recompute's
+                # reuse, after a few attribute reads
+                norm = record.answer(weight, lora_A, lora_B, float(scaling), 1, not weight.requires_grad, eager=True)
+                if norm is not None:
+                    return norm
             shards = dora_dist.norm_shards(weight, lora_A, lora_B)
             if shards is not None:
                 return self._sharded_norm(weight, lora_A, lora_B, scaling, adapter_name, shards)
@@ -571,7 +578,10 @@ class DoraLinearLayer(nn.Module):
                 # training forwards recompute the norm of the same tensors, updated in place: one graph launch each (a
                 # quantized weight's chunked dequantization and GEMMs too: the graph reads its packed storage and
                 # scales)
-                return reuse.graph.run(*dora_norm.graph_key((*sources, lora_A, lora_B), w_sq, scaling), compute)
+                norm = reuse.graph.run(*dora_norm.graph_key((*sources, lora_A, lora_B), w_sq, scaling), compute)
+                if graph_weight is weight and type(self) is DoraLinearLayer and not self.fan_in_fan_out:
+                    reuse.record = dora_norm.eager_record(reuse.graph, weight, lora_A, lora_B, scaling, w_sq, norm)
+                return norm
             return compute()
 
         if batched and self.training and type(self) is DoraLinearLayer and dora_batch.applies(weight, lora_A, lora_B):

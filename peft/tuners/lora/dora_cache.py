@@ -282,24 +282,26 @@ class LayerReuse:
     ``zero_free``: whether m has no exact zero (read on the host, so asked once per value of m, or its test started
     ahead: an event and a pinned flag), which lets the training output nodes read ``inner`` back from their output.
     ``batched``: under FSDP2, this layer's norm computed ahead by the first DoRA Linear of its unit with its own
-    (``dora_dist.UnitNorms``), keyed as ``norm`` is, taken once. ``clear`` forgets all of it; copies and pickles of a
+    (``dora_dist.UnitNorms``), keyed as ``norm`` is, taken once. ``record``: a training norm taken from ``graph``
+    (``dora_norm.eager_record``), which answers the next training forwards and their recompute ahead of 2 and 4
+    while its objects, layout, versions and settings hold. ``clear`` forgets all of it; copies and pickles of a
     layer start empty.
     """
 
-    __slots__ = ("norm", "w_sq", "scale", "factors", "rows", "graph", "decode", "zero_free", "batched")
+    __slots__ = ("norm", "w_sq", "scale", "factors", "rows", "graph", "decode", "zero_free", "batched", "record")
 
     def __init__(self) -> None:
         self.norm, self.scale, self.factors, self.zero_free, self.batched = Memo(), Memo(), Memo(), Memo(), Memo()
         self.w_sq = Memo(frozen=True)  # a frozen W takes no optimizer steps
         self.graph = NormGraph()
         self.rows: tuple = ()
-        self.decode = None
+        self.decode = self.record = None
 
     def clear(self, graph: bool = True) -> None:
         """Forget every kept value (``graph=False`` keeps the norm graph, which reads current values anyway)."""
         for memo in (self.norm, self.w_sq, self.scale, self.factors, self.zero_free, self.batched):
             memo.clear()
-        self.rows, self.decode = (), None
+        self.rows, self.decode, self.record = (), None, None
         if graph:
             self.graph.clear()
 

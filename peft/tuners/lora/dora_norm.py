@@ -430,7 +430,12 @@ class _OpRecord:
         """What a kept ``||W||²`` is valid for (None: the graph reads none): W's version and the merge epoch."""
         return None if w_sq is None else (weight._version, _merge_epoch[0])
 
-    def answer(self, weight, lora_A, lora_B, scale, reuse, frozen) -> Optional[torch.Tensor]:
+    def answer(self, weight, lora_A, lora_B, scale, reuse, frozen, eager=False) -> Optional[torch.Tensor]:
+        """The norm for this call, or None where the caller's own path must answer. ``eager``: an eager training
+        forward's record (:func:`eager_record`), which answers only under the settings it was made with and
+        returns the value it kept itself, not a copy (nothing downstream writes into it, as with the memos')."""
+        if eager and settings() is not self.graph_state[0]:
+            return None
         if not same_objects(self.refs, (weight, lora_A, lora_B)):
             return None
         if self._layout(weight, lora_A, lora_B, scale) != self.layout:
@@ -439,7 +444,7 @@ class _OpRecord:
         if reuse == 2 or torch._C._current_graph_task_id() != -1:
             if state == self.state and (not self.inference or torch.is_inference_mode_enabled()):
                 norm_counts["norm_reused"] += 1
-                return self.value.clone()
+                return self.value if eager else self.value.clone()
             if reuse == 2:
                 return None
         if self.graph is None:
@@ -453,10 +458,15 @@ class _OpRecord:
             norm_counts["w_sq_reused"] += 1
         graph.replay()
         graph_counts["replayed"] += 1
+        inference = torch.is_inference_mode_enabled()
+        if eager:  # the returned copy is the kept norm, as the layer's memo keeps what it returned
+            value = out.clone()
+            self.value, self.state, self.inference = value, state, inference
+            return value
         # the graph's own output buffer is the kept norm: only this graph writes it, at its next replay, which
         # records the state it computed at (a replay by the memos' path, for the same storages, writes the norm of
         # their versions then: a state that differs from this one unless the values are the same)
-        self.value, self.state, self.inference = out, state, torch.is_inference_mode_enabled()
+        self.value, self.state, self.inference = out, state, inference
         return out.clone()
 
 
@@ -470,15 +480,21 @@ def _record(sources: tuple, scale: float, frozen: bool, value: torch.Tensor, gra
     are these objects' while their data pointers are, and the ``||W||²`` held here)."""
     weight, lora_A, lora_B = sources
     key = (id(weight), id(lora_A), id(lora_B))
-
-    record = _OpRecord()
-    mine = weakref.ref(record)
+    record = None
 
     def drop(_ref) -> None:  # one of the objects died: its id may be taken by a new object, with a record of its own
-        kept = mine()
+        kept = record()
         if kept is not None and _op_records.get(key) is kept:
             del _op_records[key]
 
+    made = _make_record(sources, scale, frozen, value, graph, w_sq, drop)
+    record = weakref.ref(made)
+    _op_records[key] = made
+
+
+def _make_record(sources: tuple, scale: float, frozen: bool, value: torch.Tensor, graph, w_sq, drop=None) -> _OpRecord:
+    weight, lora_A, lora_B = sources
+    record = _OpRecord()
     record.refs = tuple(weakref.ref(t, drop) for t in sources)
     record.layout = _OpRecord._layout(weight, lora_A, lora_B, scale)
     record.value, record.inference = value, value.is_inference()
@@ -486,7 +502,24 @@ def _record(sources: tuple, scale: float, frozen: bool, value: torch.Tensor, gra
     captured = graph is not None and graph.graph is not None and not graph.failed
     record.graph = (graph.graph, graph.out, w_sq) if captured else None
     record.graph_state = (settings(), frozen, _OpRecord._w_sq_state(weight, w_sq))
-    _op_records[key] = record
+    return record
+
+
+def eager_record(graph, weight, lora_A, lora_B, scale, w_sq, value) -> Optional[_OpRecord]:
+    """A DoRA Linear's record of the training norm it has just taken from its norm graph (``dora_graph.NormGraph``,
+    captured for these very ``W``, ``A``, ``B`` and ``||W||²`` operand): its next training forwards replay that graph
+    after :meth:`_OpRecord.answer`'s few attribute reads, and its checkpoint recompute takes ``value`` back while
+    the versions and the epoch hold, instead of the memos' keys and the graph's own checks (host time in every
+    forward of a host-bound step). None where the graph is not captured or was not keyed on these tensors, and
+    under ``PEFT_DORA_NORM_CACHE`` (whose reuse rules the record does not follow) or ``PEFT_DORA_NORM_BATCH``
+    (whose batch computes the norms)."""
+    env = settings()
+    if graph.graph is None or graph.failed or env.norm_cache is not None or env.norm_batch:
+        return None
+    tensors = (weight, lora_A, lora_B) if w_sq is None else (weight, lora_A, lora_B, w_sq)
+    if not same_objects(graph.refs, tensors):
+        return None
+    return _make_record((weight, lora_A, lora_B), float(scale), not weight.requires_grad, value, graph, w_sq)
 
 
 def _on_default_stream(t: torch.Tensor) -> bool:

@@ -273,3 +273,54 @@ def test_norm_batch_trains_as_each_layer_alone(monkeypatch, updates):
     assert none == 0 and batched > 0
     assert dora_graph.graph_counts["captured"] > captured
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("adapters", ["fp32_autocast", "bf16"])
+def test_training_record_under_checkpointing_is_the_eager_norm(graph_env, adapters):
+    """After its norm graph is captured, a layer's training forwards take the norm from its record
+    (``dora_norm.eager_record``: one replay after a few attribute reads) and the non-reentrant checkpoint's
+    recompute takes the forward's norm back: gradients bitwise those of eager norms (``PEFT_DORA_NORM_GRAPH=0``),
+    through AdamW steps, an in-place edit of the frozen W, a new A and a new scaling, and the record is dropped
+    on ``eval()``."""
+    from torch.utils.checkpoint import checkpoint
+
+    autocast = adapters == "fp32_autocast"
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(256, 3072, device="cuda", dtype=torch.bfloat16)
+
+    def run(graph):
+        graph_env(None if graph else "0")
+        model = _model(torch.float32 if autocast else torch.bfloat16, seed=3)
+        layer = _layer(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        grads, answered = [], 0
+        for i in range(8):
+            with torch.no_grad():
+                if i == 4:
+                    layer.base_layer.weight.mul_(1.25)
+                elif i == 5:
+                    layer.lora_A["default"].weight = torch.nn.Parameter(layer.lora_A["default"].weight.detach() * 2)
+                    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+                elif i == 6:
+                    layer.scaling["default"] *= 0.5
+            dora.norm_counts.clear()
+            dora_graph.graph_counts.clear()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                y = checkpoint(model, x, use_reentrant=False)
+            y.backward(gy)
+            answered += layer.lora_magnitude_vector["default"]._reuse.record is not None
+            grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad] + [x.grad.clone()])
+            assert dora.norm_counts["norm_computed"] == 1 and dora.norm_counts["norm_reused"] == 1
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            x.grad = None
+        model.eval()
+        assert layer.lora_magnitude_vector["default"]._reuse.record is None
+        return grads, answered
+
+    with_graph, answered = run(True)
+    eager, none = run(False)
+    assert none == 0 and answered >= 4  # recorded after each capture: steps 2-4, and again after the edits
+    for got, want in zip(with_graph, eager):
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
