@@ -9,6 +9,7 @@ and no optimizer step or merge happened. ``0``: never.
 import copy
 import io
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -519,3 +520,72 @@ def _walk(module):
     while hasattr(module, "base_layer"):
         module = module.base_layer
     return module
+
+
+class _ReplayedNorm:
+    """A stand-in for a captured norm graph on the CPU (CUDA graphs need a GPU): ``replay`` writes the layer's
+    norm of the tensors' current values into ``out``, as a replay reads the captured addresses."""
+
+    def __init__(self, layer, weight, lora_A, lora_B, scaling, w_sq):
+        self.layer, self.args, self.w_sq, self.replays = layer, (weight, lora_A, lora_B, scaling), w_sq, 0
+        self.graph, self.failed = self, False
+        tensors = (weight, lora_A, lora_B) if w_sq is None else (weight, lora_A, lora_B, w_sq)
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.out = torch.empty(weight.shape[0])
+
+    def replay(self):
+        weight, lora_A, lora_B, scaling = self.args
+        self.replays += 1
+        self.out.copy_(dora.factored_row_norm(weight, lora_A, lora_B, scaling, w_sq=self.w_sq))
+
+
+def test_eager_training_record_replays_and_is_never_stale(norm_cache):
+    """``dora_norm.eager_record`` (made on a GPU once a layer's norm graph is captured): training forwards replay
+    the graph after its checks and the checkpoint recompute takes the forward's norm back; an optimizer step, an
+    in-place edit of the frozen W, a new scaling or new settings never get a stale norm (the slow path answers),
+    and train()/eval() drop it. Bitwise the gradients of a model without the record."""
+    from peft.tuners.lora import dora_norm
+
+    norm_cache(None)
+    model, wrapper = checkpointed_model()
+    ref_model, ref_wrapper = checkpointed_model()
+    linear = model.base_model.model.lin0
+    layer = linear.lora_magnitude_vector["default"]
+    weight, lora_A, lora_B = linear.base_layer.weight, linear.lora_A["default"].weight, linear.lora_B["default"].weight
+    scaling = linear.scaling["default"]
+    w_sq = dora_norm.row_sq_norm(weight)
+    graph = _ReplayedNorm(layer, weight, lora_A, lora_B, scaling, w_sq)
+    graph.replay()
+    record = dora_norm.eager_record(graph, weight, lora_A, lora_B, scaling, w_sq, graph.out.clone())
+    assert record is not None
+    layer._reuse.record = record
+    opts = [torch.optim.AdamW(trainable(m), lr=1e-2) for m in (model, ref_model)]
+    gen = torch.Generator().manual_seed(0)
+    for step in range(6):
+        if step == 3:
+            with torch.no_grad():  # the frozen W edited in place: its kept ||W||² is stale, the record steps aside
+                for m in (model, ref_model):
+                    m.base_model.model.lin0.base_layer.weight.mul_(1.5)
+        x = torch.randn(4, 24, generator=gen)
+        replays = graph.replays
+        dora.norm_counts.clear()
+        grads = []
+        for m, w, opt in zip((model, ref_model), (wrapper, ref_wrapper), opts):
+            w(x).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in trainable(m)])
+            opt.step()
+            opt.zero_grad()
+        for g, h in zip(*grads):
+            assert torch.equal(g, h)
+        # one replay in the forward and the forward's norm again in the recompute, until W changed behind ||W||²
+        assert graph.replays == replays + (step < 3)
+        assert dora.norm_counts["norm_reused"] == 4  # both layers of both models, in their recomputes
+    linear.scaling["default"] = scaling * 2  # another scaling: the layout differs
+    assert record.answer(weight, lora_A, lora_B, scaling * 2, 1, True, eager=True) is None
+    linear.scaling["default"] = scaling
+    dora._invalidate_fused_cache()  # new settings: the record answers under the ones it was made with only
+    assert record.answer(weight, lora_A, lora_B, scaling, 1, True, eager=True) is None
+    model.eval()
+    assert layer._reuse.record is None
+    norm_cache("1")  # the record does not follow PEFT_DORA_NORM_CACHE's reuse rules: none is made there
+    assert dora_norm.eager_record(graph, weight, lora_A, lora_B, scaling, w_sq, graph.out) is None
