@@ -480,19 +480,21 @@ def _record(sources: tuple, scale: float, frozen: bool, value: torch.Tensor, gra
     are these objects' while their data pointers are, and the ``||W||²`` held here)."""
     weight, lora_A, lora_B = sources
     key = (id(weight), id(lora_A), id(lora_B))
-    record = None
+    mine = None  # the record's weak reference, set below: drop runs only once an object dies, after that
 
     def drop(_ref) -> None:  # one of the objects died: its id may be taken by a new object, with a record of its own
-        kept = record()
+        kept = mine()
         if kept is not None and _op_records.get(key) is kept:
             del _op_records[key]
 
-    made = _make_record(sources, scale, frozen, value, graph, w_sq, drop)
-    record = weakref.ref(made)
-    _op_records[key] = made
+    record = _make_record(sources, scale, frozen, value, graph, w_sq, drop)
+    mine = weakref.ref(record)
+    _op_records[key] = record
 
 
 def _make_record(sources: tuple, scale: float, frozen: bool, value: torch.Tensor, graph, w_sq, drop=None) -> _OpRecord:
+    """An :class:`_OpRecord` of ``value`` for ``sources`` (W, A, B) and, where ``graph`` is captured, its CUDA graph;
+    ``drop``: the callback of the weak references to the sources."""
     weight, lora_A, lora_B = sources
     record = _OpRecord()
     record.refs = tuple(weakref.ref(t, drop) for t in sources)
