@@ -1,5 +1,6 @@
-"""Profile one QDoRA and one QLoRA training step (and decode tokens) on a 4-bit Llama-8B-shaped model: the CUDA
-kernels by total time and the host's busiest frames, to find what QDoRA adds per step.
+"""Profile one QDoRA and one QLoRA training step (``--measure infer``: an eval forward without autograd) on a 4-bit
+Llama-8B-shaped model: the CUDA kernels by total time and the host's busiest frames, to find what QDoRA adds per
+step.
 
     PYTHONPATH=<ours> python benchmarks/profile_qdora.py --out $OUT/profile_qdora.json
 
@@ -50,12 +51,19 @@ def main() -> int:
     p.add_argument("--quant", default="nf4")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--measure", default="train", choices=("train", "infer"))
     p.add_argument("--out", required=True)
     args = p.parse_args()
     device = torch.device("cuda")
     import peft
 
-    result = {"peft": peft.__file__, "rank": args.rank, "quant": args.quant}
+    result = {
+        "peft": Path(peft.__file__).parent.parent.name,
+        "rank": args.rank,
+        "quant": args.quant,
+        "seq": args.seq,
+        "measure": args.measure,
+    }
     with tempfile.TemporaryDirectory() as d:
         qw.build_model({"model": model_spec(args.layers), "seed": 0, "device": "cuda", "dir": d})
         base = qw.load_quantized(d, args.quant, device)
@@ -63,10 +71,14 @@ def main() -> int:
     for kind in ("qdora", "qlora"):
         model = qw.wrap(base, args.rank, kind == "qdora")
         qw.seed_adapters(model, 0, 1.0)
-        model.train()
+        model.train(args.measure == "train")
         opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5)
 
         def step():
+            if args.measure == "infer":
+                with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                    model(input_ids=ids, use_cache=False)
+                return
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
