@@ -65,3 +65,16 @@ def test_norm_once_probe_removes_the_norms_ops(tmp_path):
     assert probe["config"]["probe"] == "norm-once"
     assert probe["aten_ops_per_module"]["lora"] == plain["aten_ops_per_module"]["lora"]
     assert probe["aten_ops_per_module"]["dora"] <= plain["aten_ops_per_module"]["dora"] - 5, (plain, probe)
+
+
+@pytest.mark.parametrize("bias", (False, True), ids=("no_bias", "bias"))
+def test_small_tier_eval_dispatches_fewer_ops_than_lora(tmp_path, bias):
+    """An eval forward of few tokens takes the small tier, whose s·g folded into B's matmul (and the bias term into
+    its bias) leaves one op after the two matmuls where LoRA's ``result + lora_B(lora_A(x)) * s`` takes two: fewer
+    ATen ops per module than LoRA's, with or without a bias (every op is a launch on a GPU, host time where the step
+    waits on the host)."""
+    pytest.importorskip("triton")
+    doc = _run(tmp_path, "--measure", "eval", "--tiers", "fused", *(("--bias",) if bias else ()))
+    assert set(doc["tiers"]) == {"small_forward"}, doc["tiers"]
+    ops = doc["aten_ops_per_module"]
+    assert ops["dora"] < ops["lora"], ops

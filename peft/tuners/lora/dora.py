@@ -35,7 +35,7 @@ from torch.nn.modules import module as _nn_module
 
 from peft.utils.integrations import dequantize_module_weight, gather_params_ctx
 
-from . import dora_batch, dora_decode, dora_dist, dora_fused, dora_norm, dora_quant, dora_settings
+from . import dora_batch, dora_decode, dora_dispatch, dora_dist, dora_fused, dora_norm, dora_quant, dora_settings
 from .dora_cache import (
     KeyedMemo,
     LayerReuse,
@@ -287,6 +287,12 @@ class DoraLinearLayer(nn.Module):
                 if out is not None:
                     return out
 
+        if factors is not None:  # gates.small: no autograd, a plain branch, factors reused
+            out = self._small_output(x, result, weight_a, weight_b, factors, scaling)
+            if out is not None:
+                record(self, TIER_SMALL_FORWARD)
+                return out
+
         if lora is None:
             a = F.linear(x, weight_a)
             stride = branch_node_stride(a, result, weight_b, magnitude, bias) if gates.one_node else None
@@ -298,21 +304,6 @@ class DoraLinearLayer(nn.Module):
                     consts = (weight_norm, bias, float(scaling), eps, stride, zero_free)
                     return dora_fused.FusedDoRALinearFunction.apply(result, a, weight_b, magnitude, None, consts)
             lora = F.linear(a, weight_b)
-
-        if factors is not None and gates.small(lora, result):
-            # y = g·(result + s·lora) (+ (1 − g)·bias): two (three) in-place ops on the fresh LoRA output, the first
-            # with the scalar s (a third cheaper on the host than two ops with [d_out] factors), in fp32, rounded once
-            wide = result.dtype == torch.float16  # result + s·lora may leave fp16's range where g·(·) does not
-            if wide:
-                out = result.float().add_(lora, alpha=float(scaling))
-            else:
-                into = lora if lora.dtype == result.dtype else None  # a wider result: a new buffer of its dtype
-                out = torch.add(result, lora, alpha=float(scaling), out=into)
-            out.mul_(factors[1])
-            if bias is not None:
-                out.add_(factors[2])
-            record(self, TIER_SMALL_FORWARD)
-            return out.to(torch.promote_types(result.dtype, lora.dtype)) if wide else out
 
         if weight_norm is None:
             weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
@@ -640,6 +631,40 @@ class DoraLinearLayer(nn.Module):
         if not rows or rows[0] is not f:  # the rows as views, made once per value of the factors
             rows = reuse.rows = (f, *f.unbind(0))
         return rows
+
+    def _small_output(self, x, result, weight_a, weight_b, factors, scaling) -> Optional[torch.Tensor]:
+        """The small tier: ``y = g·result + (1 − g)·bias + a·(s·g·B)ᵀ`` with ``a = x·Aᵀ``, as three PyTorch ops where
+        LoRA's ``result + s·B·(A·x)`` takes four: the two matmuls, the second with ``s·g`` folded into B's rows and
+        the bias term as its bias (both in the branch's dtype, :meth:`_scaled_b`), then ``g·result`` added into that
+        output with the fp32 ``g`` (``addcmul_``, in fp32, rounded once: an error in proportion to ``y``, also where
+        ``g·result`` and the LoRA term nearly cancel). None where ``result``'s dtype is not the branch's: an fp32
+        result beside a half-precision branch (bitsandbytes under autocast, ``dora_dispatch.wider_result``) takes the
+        one-pass kernel, which composes from the LoRA output PyTorch's ``result + lora`` would add (rounding ``s·g·B``
+        and the LoRA term to the branch's dtype instead moved LLM.int8 outputs off upstream's by more than bf16's
+        tolerance in a GPU test)."""
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if result.dtype != (torch.get_autocast_dtype(x.device.type) if autocast else x.dtype):
+            return None
+        scaled_b, bias_term = self._scaled_b(weight_b, factors, float(scaling), result.dtype)
+        out = F.linear(F.linear(x, weight_a), scaled_b, bias_term)
+        return out.addcmul_(result, factors[1]) if out.shape == result.shape else None
+
+    def _scaled_b(self, weight_b, factors, scaling: float, dtype: torch.dtype) -> tuple:
+        """(``s·g·B`` [d_out, r], ``(1 − g)·bias`` or None) in ``dtype``, the products taken in fp32 (or wider). Kept
+        in ``LayerReuse.scaled_b`` with the factors they came from (their memo is keyed on B, m, W, the bias and s, so
+        a new value of any of them is a new factors tensor) where B has at most
+        ``dora_dispatch.SCALED_B_KEPT_NUMEL`` elements; a larger B (large ranks, whose forwards the GPU bounds) is
+        scaled in each forward instead of kept twice."""
+        kept = self._reuse.scaled_b
+        f = factors[0]
+        if kept is not None and kept[0] is f and kept[1] == dtype:
+            return kept[2], kept[3]
+        acc = torch.promote_types(weight_b.dtype, torch.float32)
+        scaled_b = (weight_b.to(acc) * (factors[1].to(acc) * scaling).unsqueeze(1)).to(dtype)
+        bias_term = factors[2].to(dtype) if len(factors) > 2 else None
+        if weight_b.numel() <= dora_dispatch.SCALED_B_KEPT_NUMEL:
+            self._reuse.scaled_b = (f, dtype, scaled_b, bias_term)
+        return scaled_b, bias_term
 
     def _decode(self, x, result, weight_a, weight_b, factors, bias, scaling) -> Optional[torch.Tensor]:
         """The decode tier: ``F.linear(F.linear(x, A), B)`` and the composition in two Triton launches

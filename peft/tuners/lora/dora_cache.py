@@ -278,9 +278,11 @@ class LayerReuse:
 
     Downstream of the norm, each keyed on the tensors it came from, so a new norm ends it: ``scale`` (g = m / norm,
     without autograd), ``factors`` (g and (1 − g)·bias for the decode and small tiers, with ``rows``, their rows as
-    views) and ``decode`` (the latest decode step's launches, a ``dora_decode.DecodePlan``). Beside them
-    ``zero_free``: whether m has no exact zero (read on the host, so asked once per value of m, or its test started
-    ahead: an event and a pinned flag), which lets the training output nodes read ``inner`` back from their output.
+    views, and ``scaled_b``, ``s·g·B`` and the bias term in the branch's dtype for the small tier, made from those
+    factors and kept with them) and ``decode`` (the latest decode step's launches, a ``dora_decode.DecodePlan``).
+    Beside them ``zero_free``: whether m has no exact zero (read on the host, so asked once per value of m, or its
+    test started ahead: an event and a pinned flag), which lets the training output nodes read ``inner`` back from
+    their output.
     ``batched``: under FSDP2, this layer's norm computed ahead by the first DoRA Linear of its unit with its own
     (``dora_dist.UnitNorms``), keyed as ``norm`` is, taken once. ``record``: a training norm taken from ``graph``
     (``dora_norm.eager_record``), which answers the next training forwards and their recompute ahead of 2 and 4
@@ -288,20 +290,22 @@ class LayerReuse:
     layer start empty.
     """
 
-    __slots__ = ("norm", "w_sq", "scale", "factors", "rows", "graph", "decode", "zero_free", "batched", "record")
+    __slots__ = (
+        "norm", "w_sq", "scale", "factors", "rows", "scaled_b", "graph", "decode", "zero_free", "batched", "record"
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.norm, self.scale, self.factors, self.zero_free, self.batched = Memo(), Memo(), Memo(), Memo(), Memo()
         self.w_sq = Memo(frozen=True)  # a frozen W takes no optimizer steps
         self.graph = NormGraph()
         self.rows: tuple = ()
-        self.decode = self.record = None
+        self.decode = self.record = self.scaled_b = None
 
     def clear(self, graph: bool = True) -> None:
         """Forget every kept value (``graph=False`` keeps the norm graph, which reads current values anyway)."""
         for memo in (self.norm, self.w_sq, self.scale, self.factors, self.zero_free, self.batched):
             memo.clear()
-        self.rows, self.decode, self.record = (), None, None
+        self.rows, self.decode, self.record, self.scaled_b = (), None, None, None
         if graph:
             self.graph.clear()
 

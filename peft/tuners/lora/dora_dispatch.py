@@ -19,7 +19,7 @@ The tiers, in the order a Linear's forward tries them (``DoraLinearLayer.adapted
 
 ==================  ===========================================================================================
 ``decode``          no autograd, at most ``DECODE_MAX_ROWS`` rows, factors reused: two Triton launches
-``small_forward``   no autograd, at most ``SMALL_FORWARD_NUMEL`` outputs, factors reused: two PyTorch ops
+``small_forward``   no autograd, at most ``SMALL_FORWARD_NUMEL`` outputs, factors reused: three PyTorch ops
 ``fused_backward``  autograd records: ``lora_B`` and the output in one node (one-node branch), else the one-pass
                     output node, else the composition's node (above the crossover); Triton forward and backward
 ``fused_forward``   no autograd: the one-pass output kernel, else the composition kernel
@@ -49,7 +49,7 @@ TIER_MEANINGS = {
     TIER_FUSED_BACKWARD: "training: Triton kernels forward and backward",
     TIER_FUSED_FORWARD: "inference: one Triton kernel",
     TIER_DECODE: "decode step (1-8 rows): two Triton launches with the reused scale",
-    TIER_SMALL_FORWARD: "few rows without autograd: two PyTorch ops with the reused scale",
+    TIER_SMALL_FORWARD: "small outputs without autograd: the LoRA matmuls with s·g folded into B, and one PyTorch op",
     TIER_EAGER: "PyTorch composition (CPU, no Triton, switched off, or a layout the kernels leave alone)",
 }
 
@@ -69,9 +69,19 @@ def wider_result(result_dtype: torch.dtype, lora_dtype: torch.dtype) -> bool:
 
 DECODE_MAX_ROWS = 8  # rows per decode launch (dora_decode); more rows take the matmul path
 
-# Up to this many output elements without autograd (decode: a token per sequence), launches cost more than bytes:
-# two in-place PyTorch ops with the reused g (~20 µs of host time on the H200's host) beat one Triton launch (~50 µs).
-SMALL_FORWARD_NUMEL = 1 << 20
+# Up to this many output elements without autograd, the small tier (three PyTorch ops with s·g folded into B's
+# matmul) instead of B's matmul and the one-pass Triton kernel. One adapted bf16 Linear, rank 16, eval, H100
+# (``benchmarks/probe_infer_host.py --layers-only``, µs per forward, LoRA / one-pass kernel / small tier): where the
+# host bounds it, 110 / 147 / 123 (512 x 2048 outputs) and 96 / 138 / 122 (4096 x 2048): the kernel's launch costs
+# more host time than the small tier's ops. Where the GPU bounds it the kernel's single pass wins: 337 / 290 / 434
+# (4096 x 8192) and 1781 / 1708 / 2108 (8192 x 14336), the small tier's ``g·result`` being PyTorch's per-element-cast
+# kernel (an fp32 g on half-precision tensors; a half g ran at the kernel's speed, 348 and 1836, but erred in
+# proportion to ``result`` where it and the LoRA term cancel: a GPU test against upstream failed).
+SMALL_FORWARD_NUMEL = 1 << 23
+
+# The small tier keeps ``s·g·B`` (a copy of B in the branch's dtype) for a B of at most this many elements (rank 64
+# beside a 16384-wide output); a larger B is scaled in each forward, one more small op, rather than kept twice.
+SCALED_B_KEPT_NUMEL = 1 << 20
 
 # Below this many activation elements the composition's fused autograd node (forward + backward) does not reliably
 # beat eager PyTorch on the H200: both are host-bound there, and the Triton launches cost more host time than
@@ -297,16 +307,9 @@ class LinearGates:
         self.decode = decode = (
             reuse and plain and env.decode_kernels and numel <= DECODE_MAX_ROWS * result.shape[-1]
         )  # fmt: skip
-        self.reuses_factors = decode or (reuse and numel <= SMALL_FORWARD_NUMEL)  # larger outputs never read them
+        # larger outputs never read them (the one-pass kernel)
+        self.reuses_factors = decode or (reuse and plain and numel <= SMALL_FORWARD_NUMEL)
         self.one_node = grad and fused and plain and env.one_node_branch and env.fused_backward is not False
-
-    def small(self, lora: torch.Tensor, result: torch.Tensor) -> bool:
-        """The ``small_forward`` tier for this LoRA output: few elements, composed in place into its own buffer (into
-        a new one of ``result``'s dtype where that is wider, :func:`wider_result`)."""
-        return (
-            lora.numel() <= SMALL_FORWARD_NUMEL and lora.shape == result.shape and lora._base is None
-            and (lora.dtype == result.dtype or wider_result(result.dtype, lora.dtype))
-        )  # fmt: skip
 
     def output_tier(self, result, lora, bias, magnitude, weight_norm) -> Optional[tuple[str, tuple[int, int]]]:
         """(tier, strides) of the one-pass output kernel (``dora_fused.fused_dora_output``'s node or bare kernel),

@@ -526,10 +526,85 @@ def test_decode_layout_rejects_what_the_kernels_do_not_compute(case):
     assert Dd.decode_layout(x, result, weight_a, weight_b) is None
 
 
+@pytest.mark.parametrize("kept", (True, False), ids=("scaled_b_kept", "scaled_b_per_forward"))
+def test_small_tier_folds_the_scale_into_b(dora_switches, dora_env, monkeypatch, kept):
+    """The small tier's ``F.linear(F.linear(x, A), s·g·B, (1 − g)·bias)`` and ``addcmul_(result, g)``: the eager
+    tier's output in fp32, under autocast (fp32 adapters, bf16 branch: s·g·B kept in bf16, then in fp32 again),
+    after in-place edits of B, the magnitude and the bias (new factors, so a new s·g·B), with s·g·B kept or made in
+    every forward; an fp32 result beside a bf16 branch (bitsandbytes under autocast) takes the one-pass kernel."""
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import dora
+
+    dora_switches(decode_kernels=False)
+    if not kept:
+        monkeypatch.setattr(dispatch, "SCALED_B_KEPT_NUMEL", 0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
+    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
+    peft_model = get_peft_model(model, config).eval()
+    first = peft_model.base_model.model[0]
+    x = torch.randn(2, 3, 24)
+
+    def both(autocast: bool):
+        outs = []
+        for fused in ("1", "0"):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("PEFT_DORA_FUSED", fused)
+                dora._invalidate_fused_cache()
+                dora.tier_counts.clear()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    outs.append(peft_model(x))
+                if fused == "1":
+                    assert dict(dora.tier_counts) == {dora.TIER_SMALL_FORWARD: 2}
+        dora._invalidate_fused_cache()
+        return outs
+
+    with torch.no_grad():
+        for autocast in (False, True, False):
+            got, want = both(autocast)
+            assert got.dtype == want.dtype
+            assert_close(got, want, dtype=torch.bfloat16 if autocast else torch.float32)
+            kept_b = first.lora_magnitude_vector["default"]._reuse.scaled_b
+            assert (kept_b is not None) is kept
+            if kept:
+                assert kept_b[2].dtype == (torch.bfloat16 if autocast else torch.float32)
+        for change in (
+            lambda: first.lora_B["default"].weight.mul_(1.5),
+            lambda: first.lora_magnitude_vector["default"].weight.mul_(0.5),
+            lambda: first.base_layer.bias.add_(0.25),
+        ):
+            change()
+            got, want = both(False)
+            assert_close(got, want, dtype=torch.float32)
+
+        # an fp32 result beside the bf16 branch of autocast (bitsandbytes): the one-pass kernel, an fp32 output,
+        # y = g·result + (1 − g)·bias + s·g·B·A·x
+        layer = first.lora_magnitude_vector["default"]
+        lora_A, lora_B = first.lora_A["default"], first.lora_B["default"]
+        x2 = torch.randn(5, 24)
+        result = first.base_layer(x2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            dora.tier_counts.clear()
+            out = layer.adapted_output(
+                x2, result, lora_A=lora_A, lora_B=lora_B, scaling=first.scaling["default"],
+                base_layer=first.base_layer,
+            )  # fmt: skip
+        assert dict(dora.tier_counts) == {dora.TIER_FUSED_FORWARD: 1} and out.dtype == torch.float32
+        w = first.base_layer.weight
+        s = first.scaling["default"]
+        norm = (w + s * lora_B.weight @ lora_A.weight).norm(dim=1)
+        g = layer.weight / norm
+        bias = first.base_layer.bias
+        want = g * result + (1 - g) * bias + s * g * (x2 @ lora_A.weight.T @ lora_B.weight.T)
+        assert_close(out, want, dtype=torch.bfloat16)
+
+
 def test_decode_tier_in_a_model_and_its_fallbacks(dora_switches, dora_env, monkeypatch):
     """A DoRA model in eval without autograd decodes through the two launches: same output as with them switched off
-    (matmuls and the small forward's ops), in autocast too; a hook on lora_A, autograd, more rows than the decode
-    limit or a training-mode forward take the other paths."""
+    (the small tier's matmuls and op), in autocast too; a hook on lora_A, autograd, more rows than the decode limit or
+    a training-mode forward take the other paths."""
     from torch import nn
 
     from peft import LoraConfig, get_peft_model
@@ -558,7 +633,8 @@ def test_decode_tier_in_a_model_and_its_fallbacks(dora_switches, dora_env, monke
         assert dora.TIER_DECODE not in tiers
         handle = peft_model.base_model.model[0].lora_A["default"].register_forward_hook(lambda *a: None)
         _, tiers = run(torch.randn(2, 24), True)
-        assert tiers == {dora.TIER_SMALL_FORWARD: 1, dora.TIER_DECODE: 1}
+        # the hooked branch runs as it is, then the one-pass output (the small tier folds s·g into B's matmul)
+        assert tiers == {dora.TIER_FUSED_FORWARD: 1, dora.TIER_DECODE: 1}
         handle.remove()
     _, tiers = run(torch.randn(2, 24), True)  # autograd records: the one-pass output
     assert dora.TIER_DECODE not in tiers and dora.TIER_SMALL_FORWARD not in tiers

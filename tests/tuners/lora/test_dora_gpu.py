@@ -325,3 +325,52 @@ def test_decode_plan_follows_the_stream():
         torch.cuda.synchronize()
     for out, want in zip(outs, alone):
         assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("mode", ("fp32", "bf16", "fp16", "autocast"))
+def test_small_tier_within_the_one_pass_kernels_error(mode, dora_switches, monkeypatch):
+    """Eval without autograd, outputs the small tier takes (``F.linear(F.linear(x, A), s·g·B, (1 − g)·bias)`` and
+    ``addcmul_(result, g)`` in the branch's dtype): its error against an fp64 reference of the same weights is at most
+    twice the one-pass kernel's (the tier it replaced there) plus a floor, with and without a bias; s·g·B follows an
+    in-place edit of B."""
+    dora_switches(decode_kernels=False)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(mode, torch.bfloat16)
+    model = _dora_linear(torch.float32 if mode == "autocast" else dtype, d_in=640, d_out=1000, seed=3)
+    model.base_model.model[2].base_layer.bias = None
+    model.eval()
+    x = torch.randn(4, 96, 640, device="cuda", dtype=torch.float32 if mode == "autocast" else dtype)
+
+    def run(numel):
+        monkeypatch.setattr(dispatch, "SMALL_FORWARD_NUMEL", numel)
+        dora.tier_counts.clear()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            out = model(x)
+        return out.double(), dict(dora.tier_counts)
+
+    def reference():
+        y = x.double()
+        for i in (0, 2):
+            layer = model.base_model.model[i]
+            W, A, B = (t.detach().double() for t in (layer.base_layer.weight, layer.lora_A["default"].weight,
+                                                     layer.lora_B["default"].weight))  # fmt: skip
+            m, s = layer.lora_magnitude_vector["default"].weight.detach().double(), layer.scaling["default"]
+            b = layer.base_layer.bias
+            g = m / (W + s * B @ A).norm(dim=1)
+            base = y @ W.T
+            y = g * base + (0 if b is None else b.detach().double()) + g * s * (y @ A.T @ B.T)
+            if i == 0:
+                y = torch.nn.functional.gelu(y)
+        return y
+
+    for _ in range(2):
+        small, tiers = run(1 << 62)
+        assert tiers == {dora.TIER_SMALL_FORWARD: 2}
+        kernel, tiers = run(0)
+        assert tiers == {dora.TIER_FUSED_FORWARD: 2}
+        want = reference()
+        err_small = (small - want).abs().max().item()
+        err_kernel = (kernel - want).abs().max().item()
+        floor = {torch.float32: 1e-5, torch.float16: 2e-3}.get(dtype, 2e-2) * want.abs().max().item()
+        assert err_small <= 2 * err_kernel + floor, (err_small, err_kernel)
+        with torch.no_grad():
+            model.base_model.model[0].lora_B["default"].weight.mul_(1.5)
