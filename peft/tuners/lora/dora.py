@@ -637,15 +637,24 @@ class DoraLinearLayer(nn.Module):
         LoRA's ``result + s·B·(A·x)`` takes four: the two matmuls, the second with ``s·g`` folded into B's rows and
         the bias term as its bias (both in the branch's dtype, :meth:`_scaled_b`), then ``g·result`` added into that
         output with the fp32 ``g`` (``addcmul_``, in fp32, rounded once: an error in proportion to ``y``, also where
-        ``g·result`` and the LoRA term nearly cancel). None where ``result``'s dtype is not the branch's: an fp32
-        result beside a half-precision branch (bitsandbytes under autocast, ``dora_dispatch.wider_result``) takes the
-        one-pass kernel, which composes from the LoRA output PyTorch's ``result + lora`` would add (rounding ``s·g·B``
-        and the LoRA term to the branch's dtype instead moved LLM.int8 outputs off upstream's by more than bf16's
-        tolerance in a GPU test)."""
+        ``g·result`` and the LoRA term nearly cancel).
+
+        An fp32 ``result`` beside a half-precision branch (bitsandbytes under autocast, ``dora_dispatch.wider_result``)
+        keeps the LoRA output PyTorch's ``result + lora`` would add: ``(result + s·lora)·g + (1 − g)·bias`` in fp32,
+        up to ``SMALL_FORWARD_WIDE_NUMEL`` elements (folding ``s·g`` into B rounds the LoRA term differently, which
+        moved an LLM.int8 output off upstream's by more than bf16's tolerance in a GPU test); larger ones take the
+        one-pass kernel. None where ``result``'s dtype is neither."""
         autocast = torch.is_autocast_enabled(x.device.type)
-        if result.dtype != (torch.get_autocast_dtype(x.device.type) if autocast else x.dtype):
-            return None
-        scaled_b, bias_term = self._scaled_b(weight_b, factors, float(scaling), result.dtype)
+        branch_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        if result.dtype != branch_dtype:
+            if not wider_result(result.dtype, branch_dtype) or result.numel() > dora_dispatch.SMALL_FORWARD_WIDE_NUMEL:
+                return None
+            lora = F.linear(F.linear(x, weight_a), weight_b)
+            if lora.shape != result.shape:
+                return None
+            out = torch.add(result, lora, alpha=float(scaling)).mul_(factors[1])
+            return out if len(factors) < 3 else out.add_(factors[2])
+        scaled_b, bias_term = self._scaled_b(weight_b, factors, float(scaling), branch_dtype)
         out = F.linear(F.linear(x, weight_a), scaled_b, bias_term)
         return out.addcmul_(result, factors[1]) if out.shape == result.shape else None
 

@@ -79,6 +79,11 @@ DECODE_MAX_ROWS = 8  # rows per decode launch (dora_decode); more rows take the 
 # proportion to ``result`` where it and the LoRA term cancel: a GPU test against upstream failed).
 SMALL_FORWARD_NUMEL = 1 << 23
 
+# An fp32 result beside a half-precision LoRA branch (bitsandbytes under autocast) takes the small tier's former
+# composition, ``(result + s·lora)·g (+ (1 − g)·bias)`` in fp32 on the LoRA output, up to this many elements, and the
+# one-pass kernel above (where that composition's mixed-dtype add would be the slower op).
+SMALL_FORWARD_WIDE_NUMEL = 1 << 20
+
 # The small tier keeps ``s·g·B`` (a copy of B in the branch's dtype) for a B of at most this many elements (rank 64
 # beside a 16384-wide output); a larger B is scaled in each forward, one more small op, rather than kept twice.
 SCALED_B_KEPT_NUMEL = 1 << 20

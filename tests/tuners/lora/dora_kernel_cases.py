@@ -531,7 +531,8 @@ def test_small_tier_folds_the_scale_into_b(dora_switches, dora_env, monkeypatch,
     """The small tier's ``F.linear(F.linear(x, A), s·g·B, (1 − g)·bias)`` and ``addcmul_(result, g)``: the eager
     tier's output in fp32, under autocast (fp32 adapters, bf16 branch: s·g·B kept in bf16, then in fp32 again),
     after in-place edits of B, the magnitude and the bias (new factors, so a new s·g·B), with s·g·B kept or made in
-    every forward; an fp32 result beside a bf16 branch (bitsandbytes under autocast) takes the one-pass kernel."""
+    every forward; an fp32 result beside a bf16 branch (bitsandbytes under autocast) composes from the LoRA output in
+    fp32 up to SMALL_FORWARD_WIDE_NUMEL elements and takes the one-pass kernel above."""
     from torch import nn
 
     from peft import LoraConfig, get_peft_model
@@ -579,26 +580,28 @@ def test_small_tier_folds_the_scale_into_b(dora_switches, dora_env, monkeypatch,
             got, want = both(False)
             assert_close(got, want, dtype=torch.float32)
 
-        # an fp32 result beside the bf16 branch of autocast (bitsandbytes): the one-pass kernel, an fp32 output,
-        # y = g·result + (1 − g)·bias + s·g·B·A·x
+        # an fp32 result beside the bf16 branch of autocast (bitsandbytes): (result + s·lora)·g + (1 − g)·bias in
+        # fp32 up to SMALL_FORWARD_WIDE_NUMEL elements, the one-pass kernel above; an fp32 output either way
         layer = first.lora_magnitude_vector["default"]
         lora_A, lora_B = first.lora_A["default"], first.lora_B["default"]
         x2 = torch.randn(5, 24)
         result = first.base_layer(x2)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            dora.tier_counts.clear()
-            out = layer.adapted_output(
-                x2, result, lora_A=lora_A, lora_B=lora_B, scaling=first.scaling["default"],
-                base_layer=first.base_layer,
-            )  # fmt: skip
-        assert dict(dora.tier_counts) == {dora.TIER_FUSED_FORWARD: 1} and out.dtype == torch.float32
         w = first.base_layer.weight
         s = first.scaling["default"]
         norm = (w + s * lora_B.weight @ lora_A.weight).norm(dim=1)
         g = layer.weight / norm
         bias = first.base_layer.bias
         want = g * result + (1 - g) * bias + s * g * (x2 @ lora_A.weight.T @ lora_B.weight.T)
-        assert_close(out, want, dtype=torch.bfloat16)
+        for wide_numel, tier in ((1 << 20, dora.TIER_SMALL_FORWARD), (result.numel() - 1, dora.TIER_FUSED_FORWARD)):
+            monkeypatch.setattr(dispatch, "SMALL_FORWARD_WIDE_NUMEL", wide_numel)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                dora.tier_counts.clear()
+                out = layer.adapted_output(
+                    x2, result, lora_A=lora_A, lora_B=lora_B, scaling=first.scaling["default"],
+                    base_layer=first.base_layer,
+                )  # fmt: skip
+            assert dict(dora.tier_counts) == {tier: 1} and out.dtype == torch.float32
+            assert_close(out, want, dtype=torch.bfloat16)
 
 
 def test_decode_tier_in_a_model_and_its_fallbacks(dora_switches, dora_env, monkeypatch):
