@@ -52,6 +52,20 @@ DOC_EDITS = (
         "    the LoRA weight (B @ A), so there is nothing else to cache.",
     ),
 )
+# Upstream's code, changed where a DoRA Linear does better on its own: (file, upstream's text, ours). The LoRA Linear's
+# forward casts x to the adapter's dtype (fp32 by default) before every adapter; under autocast the branch's matmul
+# casts it back, an exact round trip of two copies of x per module and forward (and two more in the backward) that
+# DoRA skips where it may (``DoraLinearVariant.casts_own_input``): with one line here, its variant casts for itself.
+CODE_EDITS = (
+    (
+        "tuners/lora/layer.py",
+        "                x = self._cast_input_dtype(x, lora_A.weight.dtype)\n"
+        "                if active_adapter not in self.lora_variant:  # vanilla LoRA\n",
+        "                if not getattr(self.lora_variant.get(active_adapter), \"casts_own_input\", False):\n"
+        "                    x = self._cast_input_dtype(x, lora_A.weight.dtype)\n"
+        "                if active_adapter not in self.lora_variant:  # vanilla LoRA\n",
+    ),
+)
 GLUE_ANCHORS = ("from .dora import ", "class DoraLinearVariant(", "class DoraEmbeddingVariant(",
                 "class DoraConv1dVariant(", "class DoraConv2dVariant(", "class DoraConv3dVariant(")
 
@@ -67,12 +81,15 @@ def apply_overlay(pkg_dir: Path, ours: Path = upstream.REPO_ROOT / "peft") -> No
         raise RuntimeError(f"{variants} is not upstream PEFT {upstream.UPSTREAM_VERSION}'s: missing {missing}")
     if GLUE.strip() not in text:
         variants.write_text(text.rstrip("\n") + "\n" + GLUE)
-    for rel, before, after in DOC_EDITS:
+    for rel, before, after in DOC_EDITS + CODE_EDITS:
         path = pkg_dir / rel
         text = path.read_text()
         if after not in text:
-            if before not in text:
-                raise RuntimeError(f"{path} is not upstream PEFT {upstream.UPSTREAM_VERSION}'s: missing {before!r}")
+            if text.count(before) != 1:
+                raise RuntimeError(
+                    f"{path} is not upstream PEFT {upstream.UPSTREAM_VERSION}'s: {before!r} found "
+                    f"{text.count(before)} times, not once"
+                )
             path.write_text(text.replace(before, after))
 
 

@@ -878,6 +878,10 @@ class _DoraVariantBase(LoraVariant):
 
 
 class DoraLinearVariant(_DoraVariantBase):
+    # The LoRA Linear's forward leaves casting x to the adapter's dtype to this variant (the overlay's one-line change
+    # to upstream's layer.py): see ``forward``.
+    casts_own_input = True
+
     @staticmethod
     def init(module, adapter_name: str, **kwargs: Any) -> None:
         _register_magnitude(module)
@@ -912,6 +916,14 @@ class DoraLinearVariant(_DoraVariantBase):
         lora_A, lora_B = modules["lora_A"]._modules[active_adapter], modules["lora_B"]._modules[active_adapter]
         scaling, base_layer = module.scaling[active_adapter], _base_layer(module)
         dropout = modules["lora_dropout"]._modules[active_adapter]
+        dropped = module.training and not isinstance(dropout, nn.Identity)
+        if dropped or not torch.is_autocast_enabled(x.device.type):
+            # upstream's cast of x to the adapter's dtype (fp32 by default). Under autocast without dropout it is
+            # skipped: every use of x there is a matmul that autocast casts to its own dtype, and x·(fp32 round trip)
+            # is x, so the outputs and gradients are the same bits without two copies of x per forward and two in the
+            # backward (ATen ops that a host-bound step waits on). With dropout the cast stays: dropout's random mask
+            # follows the tensor's dtype, and must match upstream's.
+            x = module._cast_input_dtype(x, lora_A.weight.dtype)
         adapted_output, dropout_output = dora_layer.adapted_output, dora_layer.dropout_output
         if dora_dist.fsdp1_unit(dora_layer) or dora_dist.fsdp1_unit(lora_A) or dora_dist.fsdp1_unit(lora_B):
             # FSDP1 units of their own (PEFT's fsdp_auto_wrap_policy): m, A and B are whole only inside their own
@@ -922,7 +934,7 @@ class DoraLinearVariant(_DoraVariantBase):
             def dropout_output(x, result, **kwargs):
                 return result + dora_layer(x, base_result=None, **kwargs)
 
-        if not module.training or isinstance(dropout, nn.Identity):
+        if not dropped:
             return adapted_output(
                 x, result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,
                 adapter_name=active_adapter,
