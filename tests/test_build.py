@@ -120,10 +120,14 @@ def test_pip_wheel_of_the_repo(tmp_path):
             theirs = {n for n in up.namelist() if n.startswith("peft/")}
             ours = {n for n in names if n.startswith("peft/")}
             assert ours == theirs | {f"peft/{r}" for r in overlay.OVERLAY_FILES}
-            edited = [rel for rel, _, _ in overlay.DOC_EDITS]
+            edited = [rel for rel, _, _ in overlay.DOC_EDITS + overlay.CODE_EDITS]
             changed = {f"peft/{r}" for r in (*overlay.OVERLAY_FILES, overlay.GLUE_FILE, *edited)}
             for rel, before, after in overlay.DOC_EDITS:
                 text = zf.read(f"peft/{rel}").decode()
                 assert after in text and before not in text, rel
+            for rel, before, after in overlay.CODE_EDITS:  # ours keeps upstream's line, indented under a condition
+                text = zf.read(f"peft/{rel}").decode()
+                assert text.count(after) == 1, rel
+                assert up.read(f"peft/{rel}").decode().replace(before, after) == text, rel
             for n in sorted(theirs - changed):
                 assert zf.read(n) == up.read(n), n
