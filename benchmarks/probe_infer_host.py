@@ -16,6 +16,7 @@ two PyTorch ops (``small``: ``dora_dispatch.SMALL_FORWARD_NUMEL`` unbounded) ins
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import statistics
@@ -155,8 +156,6 @@ def main() -> int:
         ids, _ = mw.make_inputs(cfg, device)
         modules = list(bm.GRID_TARGETS[point["targets"]])
         models = {}
-        import copy
-
         for kind in ("lora", "dora"):
             twin = copy.deepcopy(base)
             impl = {"name": kind, "dora": kind == "dora"}

@@ -644,8 +644,7 @@ class DoraLinearLayer(nn.Module):
         up to ``SMALL_FORWARD_WIDE_NUMEL`` elements (folding ``s·g`` into B rounds the LoRA term differently, which
         moved an LLM.int8 output off upstream's by more than bf16's tolerance in a GPU test); larger ones take the
         one-pass kernel. None where ``result``'s dtype is neither."""
-        autocast = torch.is_autocast_enabled(x.device.type)
-        branch_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        branch_dtype = dora_decode.compute_dtype(x)
         if result.dtype != branch_dtype:
             if not wider_result(result.dtype, branch_dtype) or result.numel() > dora_dispatch.SMALL_FORWARD_WIDE_NUMEL:
                 return None
