@@ -39,7 +39,10 @@ from . import dora_batch, dora_decode, dora_dispatch, dora_dist, dora_fused, dor
 from .dora_cache import (
     KeyedMemo,
     LayerReuse,
+    SmallRecord,
+    _epoch,
     capturing,
+    identity_tracked,
     memoised,
     prefetch_zero_test,
     reused,
@@ -291,6 +294,7 @@ class DoraLinearLayer(nn.Module):
             out = self._small_output(x, result, weight_a, weight_b, factors, scaling)
             if out is not None:
                 record(self, TIER_SMALL_FORWARD)
+                self._keep_small_record(x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling)
                 return out
 
         if lora is None:
@@ -657,6 +661,49 @@ class DoraLinearLayer(nn.Module):
         out = F.linear(F.linear(x, weight_a), scaled_b, bias_term)
         return out.addcmul_(result, factors[1]) if out.shape == result.shape else None
 
+    def _keep_small_record(self, x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling) -> None:
+        """After a small-tier forward that used a kept ``s·g·B``: a :class:`dora_cache.SmallRecord` of it, for
+        :meth:`recorded_small_output`, where W, A, B, m and the bias are plain parameters of a plain Linear whose
+        changes their version counters show (not sharded or gathered: FSDP, ZeRO-3) and ``DoraCaching`` is off."""
+        kept = self._reuse.scaled_b
+        tensors = _small_tensors(self, base_layer, (weight_a, weight_b))
+        if (
+            kept is None or kept[0] is not self._reuse.rows[0] or tensors is None or ENABLE_DORA_CACHING
+            or type(self) is not DoraLinearLayer or tensors[0] is not weight or tensors[3] is not magnitude
+            or (tensors[4] if len(tensors) > 4 else None) is not bias
+            or result.dtype != kept[1] or not identity_tracked(tensors) or dora_dist.stand_ins(tensors) is not None
+        ):  # fmt: skip
+            return
+        state = _small_state(x, result, scaling)
+        self._reuse.small = SmallRecord(tensors, state, kept[2], kept[3], self._reuse.rows[1])
+
+    def recorded_small_output(self, x, result, lora_A, lora_B, scaling, base_layer) -> Optional[torch.Tensor]:
+        """An eval forward from the layer's :class:`dora_cache.SmallRecord`: the small tier's three ops after the
+        record's checks and the gates' that can change between forwards (the output's size, autograd, compile and
+        capture, hooks on the branch, ``DoraCaching``); None where any fails (the full path then decides). This is
+        what keeps a host-bound eval forward at LoRA's cost: the gates and memo lookups it skips cost more host time
+        than its ops."""
+        if torch.compiler.is_compiling():
+            return None
+        kept = self._reuse.small
+        if kept is None or self.training or torch.is_grad_enabled() or ENABLE_DORA_CACHING:
+            return None
+        numel = result.numel()
+        if numel > dora_dispatch.SMALL_FORWARD_NUMEL:
+            return None  # the one-pass kernel's
+        if numel <= dora_dispatch.DECODE_MAX_ROWS * result.shape[-1] and dora_settings.current().decode_kernels:
+            return None  # the decode tier's
+        plain = _plain_branch(lora_A, lora_B)
+        tensors = None if plain is None else _small_tensors(self, base_layer, plain)
+        if tensors is None or capturing(()) or not kept.holds(tensors, _small_state(x, result, scaling)):
+            return None
+        out = F.linear(F.linear(x, plain[0]), kept.scaled_b, kept.bias_term)
+        if out.shape != result.shape:
+            return None
+        record(self, TIER_SMALL_FORWARD)
+        norm_counts["scale_reused"] += 1
+        return out.addcmul_(result, kept.g)
+
     def _scaled_b(self, weight_b, factors, scaling: float, dtype: torch.dtype) -> tuple:
         """(``s·g·B`` [d_out, r], ``(1 − g)·bias`` or None) in ``dtype``, the products taken in fp32 (or wider). Kept
         in ``LayerReuse.scaled_b`` with the factors they came from (their memo is keyed on B, m, W, the bias and s, so
@@ -923,6 +970,10 @@ class DoraLinearVariant(_DoraVariantBase):
             # backward (ATen ops that a host-bound step waits on). With dropout the cast stays: dropout's random mask
             # follows the tensor's dtype, and must match upstream's.
             x = module._cast_input_dtype(x, lora_A.weight.dtype)
+        if not dora_layer.training:  # an eval forward the layer has a record of: its three ops, few checks
+            out = dora_layer.recorded_small_output(x, result, lora_A, lora_B, scaling, base_layer)
+            if out is not None:
+                return out
         adapted_output, dropout_output = dora_layer.adapted_output, dora_layer.dropout_output
         if dora_dist.fsdp1_unit(dora_layer) or dora_dist.fsdp1_unit(lora_A) or dora_dist.fsdp1_unit(lora_B):
             # FSDP1 units of their own (PEFT's fsdp_auto_wrap_policy): m, A and B are whole only inside their own
@@ -1124,6 +1175,30 @@ def _lora_output(lora_A: nn.Module, lora_B: nn.Module, x: torch.Tensor) -> torch
         if weight_a is not None and weight_b is not None:
             return F.linear(F.linear(x, weight_a, params_a.get("bias")), weight_b, params_b.get("bias"))
     return lora_B(lora_A(x))
+
+
+def _small_tensors(layer: nn.Module, base_layer: nn.Module, plain: tuple) -> Optional[tuple]:
+    """(W, A, B, m[, bias]) of a plain Linear base layer and the layer's magnitude as plain parameters, for a
+    :class:`dora_cache.SmallRecord`; None for anything else (a framework's parameter dicts, wrapped weights)."""
+    if type(base_layer) is not nn.Linear:
+        return None
+    params, own = base_layer._parameters, layer._parameters
+    if type(params) is not dict or type(own) is not dict:
+        return None  # DeepSpeed ZeRO-3's gathering dict
+    weight, bias, magnitude = params.get("weight"), params.get("bias"), own.get("weight")
+    if type(weight) is not nn.Parameter or type(magnitude) is not nn.Parameter:
+        return None
+    if bias is None:
+        return (weight, *plain, magnitude)
+    return (weight, *plain, magnitude, bias) if type(bias) is nn.Parameter else None
+
+
+def _small_state(x: torch.Tensor, result: torch.Tensor, scaling) -> tuple:
+    """What a :class:`dora_cache.SmallRecord` was made under besides its tensors: the epoch, the settings, the
+    scaling, x's and the result's dtypes, autocast's dtype for x's device (False where it is off)."""
+    device_type = x.device.type
+    autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
+    return (_epoch[0], dora_settings.current(), float(scaling), x.dtype, result.dtype, autocast)
 
 
 def _plain_branch(lora_A: nn.Module, lora_B: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:

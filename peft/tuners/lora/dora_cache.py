@@ -262,6 +262,45 @@ def capturing(sources) -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+class SmallRecord:
+    """An eval forward on the small tier (``DoraLinearLayer._small_output`` with ``s·g·B`` kept), kept so that the
+    next ones run its three ops after a handful of checks instead of the gates and the memos' lookups (which cost
+    more host time than the ops where a forward is host-bound, and more than LoRA's whole forward).
+
+    It answers while the very same W, A, B, m (and bias) objects keep their storage, version counter, layout, dtype
+    and device, no optimizer step or merge came between (the epoch), and the settings (the ``PEFT_DORA_*``
+    snapshot), the scaling, x's and the result's dtypes and the autocast state are those it was made under; the
+    caller checks the rest of the small tier's gates on every forward (eval, no autograd, the output's size, no
+    compile or capture, a plain branch, no ``DoraCaching``). Weak references: a replaced parameter is not kept alive.
+    """
+
+    __slots__ = ("refs", "key", "state", "inference", "scaled_b", "bias_term", "g")
+
+    def __init__(self, tensors, state: tuple, scaled_b, bias_term, g) -> None:
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.key = small_key(tensors)
+        self.state, self.scaled_b, self.bias_term, self.g = state, scaled_b, bias_term, g
+        # an inference tensor answers only in inference mode (as ``reused``'s do)
+        self.inference = g.is_inference() or scaled_b.is_inference()
+
+    def holds(self, tensors, state: tuple) -> bool:
+        """Whether the record answers for these tensors (the same objects, unchanged) and this state."""
+        refs = self.refs
+        if len(refs) != len(tensors) or state != self.state:
+            return False
+        for ref, t in zip(refs, tensors):
+            if ref() is not t:
+                return False
+        if self.inference and not torch.is_inference_mode_enabled():
+            return False
+        return small_key(tensors) == self.key
+
+
+def small_key(tensors) -> list:
+    """What :class:`SmallRecord` compares: :class:`Memo`'s key of each tensor (plain parameters only)."""
+    return [(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors]
+
+
 class LayerReuse:
     """Everything one DoRA layer keeps across forwards, and which of it wins. The norm of a forward is, in order:
 
@@ -286,12 +325,14 @@ class LayerReuse:
     ``batched``: under FSDP2, this layer's norm computed ahead by the first DoRA Linear of its unit with its own
     (``dora_dist.UnitNorms``), keyed as ``norm`` is, taken once. ``record``: a training norm taken from ``graph``
     (``dora_norm.eager_record``), which answers the next training forwards and their recompute ahead of 2 and 4
-    while its objects, layout, versions and settings hold. ``clear`` forgets all of it; copies and pickles of a
-    layer start empty.
+    while its objects, layout, versions and settings hold. ``small``: the latest small-tier eval forward
+    (:class:`SmallRecord`), which answers the next ones ahead of all of the above while its tensors and state hold.
+    ``clear`` forgets all of it; copies and pickles of a layer start empty.
     """
 
     __slots__ = (
-        "norm", "w_sq", "scale", "factors", "rows", "scaled_b", "graph", "decode", "zero_free", "batched", "record"
+        "norm", "w_sq", "scale", "factors", "rows", "scaled_b", "graph", "decode", "zero_free", "batched", "record",
+        "small",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -299,13 +340,13 @@ class LayerReuse:
         self.w_sq = Memo(frozen=True)  # a frozen W takes no optimizer steps
         self.graph = NormGraph()
         self.rows: tuple = ()
-        self.decode = self.record = self.scaled_b = None
+        self.decode = self.record = self.scaled_b = self.small = None
 
     def clear(self, graph: bool = True) -> None:
         """Forget every kept value (``graph=False`` keeps the norm graph, which reads current values anyway)."""
         for memo in (self.norm, self.w_sq, self.scale, self.factors, self.zero_free, self.batched):
             memo.clear()
-        self.rows, self.decode, self.record, self.scaled_b = (), None, None, None
+        self.rows, self.decode, self.record, self.scaled_b, self.small = (), None, None, None, None
         if graph:
             self.graph.clear()
 

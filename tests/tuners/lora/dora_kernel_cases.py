@@ -604,6 +604,144 @@ def test_small_tier_folds_the_scale_into_b(dora_switches, dora_env, monkeypatch,
             assert_close(out, want, dtype=torch.bfloat16)
 
 
+def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monkeypatch):
+    """An eval forward on the small tier keeps a record (``dora_cache.SmallRecord``) that answers the next ones in
+    three ops: the same bits as the full path while nothing changed; after each change below the output is a fresh
+    computation's (the eager tier's), never the record's stale one: in-place edits of W, A, B, m and the bias, a new
+    value through ``.data`` (a new storage), a ``.data`` write PyTorch cannot see followed by
+    ``invalidate_norm_caches()``, a new scaling, a replaced parameter object, a hook on ``lora_A`` (which must see the
+    call), autocast, new settings, ``DoraCaching``, a larger output, autograd in eval mode (the output must require
+    grad), an optimizer step, inference mode and training mode."""
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import dora
+
+    dora_switches(decode_kernels=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
+    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
+    peft_model = get_peft_model(model, config).eval()
+    first, second = peft_model.base_model.model[0], peft_model.base_model.model[2]
+    x = torch.randn(2, 3, 24)
+    answered = []
+    recorded = dora.DoraLinearLayer.recorded_small_output
+
+    def counted(self, *args):
+        out = recorded(self, *args)
+        answered.append(out is not None)
+        return out
+
+    monkeypatch.setattr(dora.DoraLinearLayer, "recorded_small_output", counted)
+
+    def fresh():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PEFT_DORA_FUSED", "0")
+            dora._invalidate_fused_cache()
+            out = peft_model(x)
+        dora._invalidate_fused_cache()
+        return out
+
+    def check(answers: list, label: str):
+        """One forward: which layers' records answered ([first, second]) and the output against a fresh one."""
+        answered.clear()
+        got = peft_model(x)
+        assert answered == answers, (label, answered)
+        assert_close(got, fresh(), dtype=torch.float32)
+
+    with torch.no_grad():
+        full = peft_model(x)  # makes the records
+        dora.tier_counts.clear(), dora.norm_counts.clear()
+        answered.clear()
+        again = peft_model(x)
+        assert answered == [True, True] and torch.equal(again, full)
+        assert dict(dora.tier_counts) == {dora.TIER_SMALL_FORWARD: 2} and dora.norm_counts["scale_reused"] == 2
+
+        lora_B = first.lora_B["default"]
+        changes = {  # what changes, and which layer's record must step aside
+            "W in place": (lambda: first.base_layer.weight.add_(0.01), [False, True]),
+            "A in place": (lambda: second.lora_A["default"].weight.mul_(1.25), [True, False]),
+            "B in place": (lambda: lora_B.weight.mul_(1.5), [False, True]),
+            "m in place": (lambda: second.lora_magnitude_vector["default"].weight.mul_(0.5), [True, False]),
+            "bias in place": (lambda: first.base_layer.bias.add_(0.25), [False, True]),
+            "B through .data": (lambda: setattr(lora_B.weight, "data", lora_B.weight.data * 0.5), [False, True]),
+            "new scaling": (lambda: first.scaling.__setitem__("default", 0.75), [False, True]),
+            "new B object": (
+                lambda: setattr(lora_B, "weight", nn.Parameter(lora_B.weight.detach() * 2)),
+                [False, True],
+            ),
+            # a write PyTorch's version counters cannot see, announced by invalidate_norm_caches()
+            "unseen write": (lambda: (lora_B.weight.data.mul_(3), dora.invalidate_norm_caches()), [False, False]),
+        }
+        for label, (change, answers) in changes.items():
+            change()
+            check(answers, label)  # a fresh computation, which makes a new record
+            check([True, True], "after " + label)
+
+        calls = []
+        handle = second.lora_A["default"].register_forward_hook(lambda *args: calls.append(1))
+        check([True, False], "hook")
+        assert calls == [1, 1]  # ours and the fresh forward's
+        handle.remove()
+        check([True, True], "hook removed")  # the record still holds: nothing it was made from changed
+
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            answered.clear()
+            peft_model(x)
+            assert answered == [False, False]
+        with dora_settings_changed():
+            answered.clear()
+            peft_model(x)
+            assert answered == [False, False]
+        monkeypatch.setattr(dora, "ENABLE_DORA_CACHING", True)
+        answered.clear()
+        peft_model(x)
+        assert answered == [False, False]
+        monkeypatch.setattr(dora, "ENABLE_DORA_CACHING", False)
+        check([False, False], "after DoraCaching")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dispatch, "SMALL_FORWARD_NUMEL", 2 * 3 * 17 - 1)  # both outputs are now "large"
+            dora.tier_counts.clear()
+            check([False, False], "large")
+            assert dora.tier_counts[dora.TIER_FUSED_FORWARD] == 2
+        check([True, True], "small again")
+
+    # autograd in eval mode: the output keeps its graph to m
+    answered.clear()
+    out = peft_model(x)
+    assert answered == [False, False] and out.requires_grad
+    # an optimizer step (the epoch), even one that changes nothing
+    torch.optim.SGD([first.lora_magnitude_vector["default"].weight], lr=0.0).step()
+    with torch.no_grad():
+        check([False, False], "optimizer step")
+    # a record made in inference mode answers only there
+    with torch.inference_mode():
+        dora.invalidate_norm_caches()
+        peft_model(x)
+        answered.clear()
+        peft_model(x)
+        assert answered == [True, True]
+    with torch.no_grad():
+        answered.clear()
+        peft_model(x)
+        assert answered == [False, False]
+    # training mode forgets the records and never asks them
+    peft_model.train()
+    layer = first.lora_magnitude_vector["default"]
+    assert layer._reuse.small is None
+    answered.clear()
+    with torch.no_grad():
+        peft_model(x)
+    assert answered == []
+
+
+def dora_settings_changed():
+    """A context with other DoRA settings in force (a new snapshot)."""
+    from peft.tuners.lora import dora_settings
+
+    return dora_settings.override(one_node_branch=not dora_settings.current().one_node_branch)
+
+
 def test_decode_tier_in_a_model_and_its_fallbacks(dora_switches, dora_env, monkeypatch):
     """A DoRA model in eval without autograd decodes through the two launches: same output as with them switched off
     (the small tier's matmuls and op), in autocast too; a hook on lora_A, autograd, more rows than the decode limit or
