@@ -8,7 +8,8 @@ one; the tensors are small, so the time is the host's. ``--tiers fused`` runs th
 autograd nodes, launch arguments) with every Triton launch replaced by a no-op (``TRITON_INTERPRET=1``, so the
 tiers are chosen as on a GPU; outputs are not computed); ``--tiers eager`` runs the PyTorch tiers. ``--measure
 train`` times a training step (forward under non-reentrant checkpointing unless ``--no-checkpointing``, backward,
-AdamW), ``eval`` an eval forward without autograd. LoRA and DoRA alternate in one process, ``--rounds`` rounds of
+AdamW), ``eval`` an eval forward without autograd; ``--autocast`` keeps the adapters in fp32 beside a ``--dtype``
+base and runs the step under bf16 autocast (the grid's autocast mode; the QLoRA recipe on NF4). LoRA and DoRA alternate in one process, ``--rounds`` rounds of
 ``--calls`` calls; the record keeps each round and the medians in µs per module, DoRA's extra over LoRA's, the ATen
 ops one call dispatches per module (a count that does not drift with the host), and the tiers DoRA ran.
 
@@ -68,9 +69,9 @@ def build(args, dora: bool) -> nn.Module:
         init_lora_weights=False,  # B != 0: the norm and gradients are those of a trained adapter
     )  # fmt: skip
     model = get_peft_model(_base(args), config)
-    if args.base == "plain":
+    if args.base == "plain" and not args.autocast:
         model = model.to(args.dtype)  # adapters in the model's dtype, as the grid's bf16 mode has them
-    return model
+    return model  # with --autocast: fp32 adapters (PEFT's autocast_adapter_dtype) beside the base's dtype
 
 
 def _stub_launches() -> None:
@@ -81,6 +82,18 @@ def _stub_launches() -> None:
 
 
 def _step_fn(args, model):
+    fn = _bare_step_fn(args, model)
+    if not args.autocast:
+        return fn
+
+    def under_autocast(x):  # the grid's autocast mode: a bf16 base, fp32 adapters, bf16 autocast
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fn(x)
+
+    return under_autocast
+
+
+def _bare_step_fn(args, model):
     if args.measure == "eval":
         model.eval()
 
@@ -192,6 +205,9 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--bias", action="store_true")
+    p.add_argument(
+        "--autocast", action="store_true", help="fp32 adapters, the step under bf16 autocast (--dtype: the base's)"
+    )
     p.add_argument("--dropout", type=float, default=0.0, help="lora_dropout (LoRA's and DoRA's)")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     p.add_argument("--calls", type=int, default=20)

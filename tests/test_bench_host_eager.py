@@ -78,3 +78,19 @@ def test_small_tier_eval_dispatches_fewer_ops_than_lora(tmp_path, bias):
     assert set(doc["tiers"]) == {"small_forward"}, doc["tiers"]
     ops = doc["aten_ops_per_module"]
     assert ops["dora"] < ops["lora"], ops
+
+
+@pytest.mark.parametrize("base", ("plain", "nf4"))
+def test_autocast_eval_and_training(tmp_path, base):
+    """``--autocast``: fp32 adapters beside the base's bf16, the step under bf16 autocast (the grid's autocast mode,
+    the QLoRA recipe on an NF4 base). An eval forward takes the small tier and dispatches fewer ATen ops than LoRA's
+    (no cast of x: DoRA casts its own input); a training step takes the fused node."""
+    pytest.importorskip("triton")
+    if base == "nf4":
+        pytest.importorskip("bitsandbytes")
+    common = ("--tiers", "fused", "--base", base, "--dtype", "bfloat16", "--autocast")
+    doc = _run(tmp_path, "--measure", "eval", *common)
+    assert doc["config"]["autocast"] is True and set(doc["tiers"]) == {"small_forward"}, doc["tiers"]
+    assert doc["aten_ops_per_module"]["dora"] < doc["aten_ops_per_module"]["lora"], doc["aten_ops_per_module"]
+    doc = _run(tmp_path, "--measure", "train", *common)
+    assert set(doc["tiers"]) == {"fused_backward"}, doc["tiers"]

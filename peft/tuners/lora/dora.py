@@ -667,10 +667,11 @@ class DoraLinearLayer(nn.Module):
         changes their version counters show (not sharded or gathered: FSDP, ZeRO-3) and ``DoraCaching`` is off."""
         kept = self._reuse.scaled_b
         tensors = _small_tensors(self, base_layer, (weight_a, weight_b))
+        expected = (*_weight_sources(weight), weight_a, weight_b, magnitude) + (() if bias is None else (bias,))
         if (
             kept is None or kept[0] is not self._reuse.rows[0] or tensors is None or ENABLE_DORA_CACHING
-            or type(self) is not DoraLinearLayer or tensors[0] is not weight or tensors[3] is not magnitude
-            or (tensors[4] if len(tensors) > 4 else None) is not bias
+            or type(self) is not DoraLinearLayer or len(tensors) != len(expected) or _weight_versions(weight)
+            or any(t is not e for t, e in zip(tensors, expected))
             or result.dtype != kept[1] or not identity_tracked(tensors) or dora_dist.stand_ins(tensors) is not None
         ):  # fmt: skip
             return
@@ -1178,19 +1179,26 @@ def _lora_output(lora_A: nn.Module, lora_B: nn.Module, x: torch.Tensor) -> torch
 
 
 def _small_tensors(layer: nn.Module, base_layer: nn.Module, plain: tuple) -> Optional[tuple]:
-    """(W, A, B, m[, bias]) of a plain Linear base layer and the layer's magnitude as plain parameters, for a
-    :class:`dora_cache.SmallRecord`; None for anything else (a framework's parameter dicts, wrapped weights)."""
-    if type(base_layer) is not nn.Linear:
-        return None
+    """(W's sources, A, B, m[, bias]) for a :class:`dora_cache.SmallRecord`: a plain Linear's weight, or a
+    bitsandbytes 4-bit layer's packed weight and scales (``dora_quant.QuantizedWeight.sources``), with the layer's
+    magnitude and the bias as plain parameters; None for anything else (a framework's parameter dicts, wrapped or
+    8-bit weights)."""
     params, own = base_layer._parameters, layer._parameters
     if type(params) is not dict or type(own) is not dict:
         return None  # DeepSpeed ZeRO-3's gathering dict
     weight, bias, magnitude = params.get("weight"), params.get("bias"), own.get("weight")
-    if type(weight) is not nn.Parameter or type(magnitude) is not nn.Parameter:
+    if type(magnitude) is not nn.Parameter or not (bias is None or type(bias) is nn.Parameter):
         return None
-    if bias is None:
-        return (weight, *plain, magnitude)
-    return (weight, *plain, magnitude, bias) if type(bias) is nn.Parameter else None
+    if type(base_layer) is nn.Linear and type(weight) is nn.Parameter:
+        sources = (weight,)
+    elif type(weight).__name__ == "Params4bit" and weight.quant_state is not None:
+        state = weight.quant_state
+        sources = (weight, state.absmax)
+        if state.nested:
+            sources += (state.state2.absmax, state.state2.code)
+    else:
+        return None
+    return (*sources, *plain, magnitude) + (() if bias is None else (bias,))
 
 
 def _small_state(x: torch.Tensor, result: torch.Tensor, scaling) -> tuple:

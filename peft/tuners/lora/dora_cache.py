@@ -274,11 +274,13 @@ class SmallRecord:
     compile or capture, a plain branch, no ``DoraCaching``). Weak references: a replaced parameter is not kept alive.
     """
 
-    __slots__ = ("refs", "key", "state", "inference", "scaled_b", "bias_term", "g")
+    __slots__ = ("refs", "key", "state", "inference", "plain", "scaled_b", "bias_term", "g")
 
     def __init__(self, tensors, state: tuple, scaled_b, bias_term, g) -> None:
         self.refs = tuple(weakref.ref(t) for t in tensors)
-        self.key = small_key(tensors)
+        # a bitsandbytes weight (Params4bit) has a Python __torch_function__: its key is read without it
+        self.plain = all(type(t) is nn.Parameter for t in tensors)
+        self.key = small_key(tensors, self.plain)
         self.state, self.scaled_b, self.bias_term, self.g = state, scaled_b, bias_term, g
         # an inference tensor answers only in inference mode (as ``reused``'s do)
         self.inference = g.is_inference() or scaled_b.is_inference()
@@ -293,11 +295,15 @@ class SmallRecord:
                 return False
         if self.inference and not torch.is_inference_mode_enabled():
             return False
-        return small_key(tensors) == self.key
+        return small_key(tensors, self.plain) == self.key
 
 
-def small_key(tensors) -> list:
-    """What :class:`SmallRecord` compares: :class:`Memo`'s key of each tensor (plain parameters only)."""
+def small_key(tensors, plain: bool = True) -> list:
+    """What :class:`SmallRecord` compares: :class:`Memo`'s key of each tensor (``plain``: all of them
+    ``nn.Parameter``, whose reads need not switch off ``__torch_function__``)."""
+    if not plain:
+        with _NO_TORCH_FUNCTION():
+            return small_key(tensors)
     return [(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors]
 
 

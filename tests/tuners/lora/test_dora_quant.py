@@ -220,6 +220,50 @@ def test_eval_matches_upstream_and_reuses_the_norm(kind, autocast):
     assert counts["norm_computed"] == 2 and counts.get("norm_reused", 0) + counts.get("scale_reused", 0) >= 2, counts
 
 
+@pytest.mark.parametrize("kind", ("nf4", "fp4"))
+def test_eval_record_of_a_4bit_layer_follows_its_storage(kind):
+    """Under autocast a 4-bit layer with a bf16 input and no bias has a bf16 result, which takes the small tier
+    (under the interpreter; an fp32 input or bias makes an fp32 result, whose path keeps no record), and its record
+    (``dora_cache.SmallRecord``, keyed on the packed weight and its scales) answers the next forwards; an in-place
+    edit of a block's scale and a requantized weight each give upstream's fresh output, never the record's stale
+    one."""
+    model = adapted(kind).eval()
+    # bitsandbytes returns its input's dtype: a bf16 input makes a bf16 result. The second layer (96 inputs): its
+    # quantization blocks of 64 straddle rows, so a block's scale changes a row's direction, not only its length
+    # (DoRA's output is nearly blind to a row's length)
+    x = torch.randn(2, 7, 96, dtype=torch.bfloat16)
+    down = model.base_model.model.down
+
+    def forward_against_upstream():
+        """The layer's output twice, against upstream's."""
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = to_upstream(model).base_model.model.down(x)
+            dora.tier_counts.clear(), dora.norm_counts.clear()
+            first, second = down(x), down(x)
+        assert first.dtype == torch.bfloat16
+        assert_close(first, expected, dtype=torch.bfloat16)
+        assert torch.equal(first, second)
+        return first
+
+    before = forward_against_upstream()
+    if INTERPRET:
+        assert down.lora_magnitude_vector["default"]._reuse.small is not None
+        assert dora.tier_counts == {dora.TIER_SMALL_FORWARD: 2} and dora.norm_counts["scale_reused"] == 1
+    with torch.no_grad():
+        state = down.base_layer.weight.quant_state
+        # the scales, in place, so that rows get other norms: under double quantization the scales of the scales
+        # (the scales themselves are uint8 codes around an offset), else the first block's
+        if state.nested:
+            state.state2.absmax.mul_(10)
+        else:
+            state.absmax[:1].mul_(1.5)
+    scaled = forward_against_upstream()
+    assert not torch.allclose(before, scaled)
+    down.base_layer.weight = bnb_linear(kind, 96, 40, seed=7).weight  # requantized: a new packed weight
+    requantized = forward_against_upstream()
+    assert not torch.allclose(scaled, requantized)
+
+
 @pytest.mark.parametrize("autocast", (False, True), ids=("fp32_hidden", "autocast"))
 @pytest.mark.parametrize("kind", KINDS)
 def test_eval_decode_steps_match_upstream(kind, autocast):
