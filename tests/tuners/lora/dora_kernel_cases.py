@@ -366,6 +366,19 @@ def test_output_with_a_magnitude_that_cannot_be_divided_by_keeps_inner(value):
     assert_close(m.grad, want, scale=23**0.5)
 
 
+def eager_forward(model, x):
+    """``model(x)`` on the eager tier (PEFT_DORA_FUSED=0: computed afresh, nothing kept is read), the settings in force
+    before restored."""
+    from peft.tuners.lora import dora
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PEFT_DORA_FUSED", "0")
+        dora._invalidate_fused_cache()
+        out = model(x)
+    dora._invalidate_fused_cache()
+    return out
+
+
 @pytest.mark.parametrize("path", ("small_forward", "decode"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_small_eval_forward_reuses_its_factors(dora_switches, dora_env, monkeypatch, dtype, path):
@@ -388,12 +401,7 @@ def test_small_eval_forward_reuses_its_factors(dora_switches, dora_env, monkeypa
     x = torch.randn(2, 3, 24).to(dtype)
 
     def eager():
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("PEFT_DORA_FUSED", "0")
-            dora._invalidate_fused_cache()
-            out = peft_model(x)
-        dora._invalidate_fused_cache()
-        return out
+        return eager_forward(peft_model, x)
 
     with torch.no_grad():
         dora.tier_counts.clear(), dora.norm_counts.clear()
@@ -635,12 +643,7 @@ def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monke
     monkeypatch.setattr(dora.DoraLinearLayer, "recorded_small_output", counted)
 
     def fresh():
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("PEFT_DORA_FUSED", "0")
-            dora._invalidate_fused_cache()
-            out = peft_model(x)
-        dora._invalidate_fused_cache()
-        return out
+        return eager_forward(peft_model, x)
 
     def check(answers: list, label: str):
         """One forward: which layers' records answered ([first, second]) and the output against a fresh one."""
