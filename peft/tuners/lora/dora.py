@@ -294,7 +294,9 @@ class DoraLinearLayer(nn.Module):
             out = self._small_output(x, result, weight_a, weight_b, factors, scaling)
             if out is not None:
                 record(self, TIER_SMALL_FORWARD)
-                self._keep_small_record(x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling)
+                self._keep_small_record(
+                    x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name
+                )
                 return out
 
         if lora is None:
@@ -661,34 +663,43 @@ class DoraLinearLayer(nn.Module):
         out = F.linear(F.linear(x, weight_a), scaled_b, bias_term)
         return out.addcmul_(result, factors[1]) if out.shape == result.shape else None
 
-    def _keep_small_record(self, x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling) -> None:
+    def _keep_small_record(
+        self, x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name
+    ) -> None:
         """After a small-tier forward that used a kept ``s·g·B``: a :class:`dora_cache.SmallRecord` of it, for
-        :meth:`recorded_small_output`, where W, A, B, m and the bias are plain parameters of a plain Linear whose
-        changes their version counters show (not sharded or gathered: FSDP, ZeRO-3) and ``DoraCaching`` is off."""
+        :meth:`recorded_small_output`, where W (a plain Linear's or a 4-bit layer's), A, B, m and the bias are
+        parameters whose changes their version counters show (not sharded or gathered: FSDP, ZeRO-3). Under
+        ``DoraCaching`` it also holds the adapter's cached norm (None if there is none), and answers only while the
+        cache holds that very entry."""
         kept = self._reuse.scaled_b
         tensors = _small_tensors(self, base_layer, (weight_a, weight_b))
         expected = (*_weight_sources(weight), weight_a, weight_b, magnitude) + (() if bias is None else (bias,))
         if (
-            kept is None or kept[0] is not self._reuse.rows[0] or tensors is None or ENABLE_DORA_CACHING
+            kept is None or kept[0] is not self._reuse.rows[0] or tensors is None
             or type(self) is not DoraLinearLayer or len(tensors) != len(expected) or _weight_versions(weight)
             or any(t is not e for t, e in zip(tensors, expected))
             or result.dtype != kept[1] or not identity_tracked(tensors) or dora_dist.stand_ins(tensors) is not None
         ):  # fmt: skip
             return
         state = _small_state(x, result, scaling)
-        self._reuse.small = SmallRecord(tensors, state, kept[2], kept[3], self._reuse.rows[1])
+        cached = self._cache_get(f"weight-norm-{adapter_name}", None) if ENABLE_DORA_CACHING else None
+        self._reuse.small = SmallRecord(tensors, state, kept[2], kept[3], self._reuse.rows[1], cached)
 
-    def recorded_small_output(self, x, result, lora_A, lora_B, scaling, base_layer) -> Optional[torch.Tensor]:
+    def recorded_small_output(
+        self, x, result, lora_A, lora_B, scaling, base_layer, adapter_name="default"
+    ) -> Optional[torch.Tensor]:
         """An eval forward from the layer's :class:`dora_cache.SmallRecord`: the small tier's three ops after the
         record's checks and the gates' that can change between forwards (the output's size, autograd, compile and
-        capture, hooks on the branch, ``DoraCaching``); None where any fails (the full path then decides). This is
-        what keeps a host-bound eval forward at LoRA's cost: the gates and memo lookups it skips cost more host time
-        than its ops."""
+        capture, hooks on the branch, ``DoraCaching``'s entry); None where any fails (the full path then decides).
+        This is what keeps a host-bound eval forward at LoRA's cost: the gates and memo lookups it skips cost more
+        host time than its ops."""
         if torch.compiler.is_compiling():
             return None
         kept = self._reuse.small
-        if kept is None or self.training or torch.is_grad_enabled() or ENABLE_DORA_CACHING:
+        if kept is None or self.training or torch.is_grad_enabled():
             return None
+        if ENABLE_DORA_CACHING and self._dora_cache.get(f"weight-norm-{adapter_name}") is not kept.cached:
+            return None  # DoraCaching's norm, kept until train() whatever the weights do: the record's, or none
         numel = result.numel()
         if numel > dora_dispatch.SMALL_FORWARD_NUMEL:
             return None  # the one-pass kernel's
@@ -972,7 +983,7 @@ class DoraLinearVariant(_DoraVariantBase):
             # follows the tensor's dtype, and must match upstream's.
             x = module._cast_input_dtype(x, lora_A.weight.dtype)
         if not dora_layer.training:  # an eval forward the layer has a record of: its three ops, few checks
-            out = dora_layer.recorded_small_output(x, result, lora_A, lora_B, scaling, base_layer)
+            out = dora_layer.recorded_small_output(x, result, lora_A, lora_B, scaling, base_layer, active_adapter)
             if out is not None:
                 return out
         adapted_output, dropout_output = dora_layer.adapted_output, dora_layer.dropout_output
@@ -1202,11 +1213,13 @@ def _small_tensors(layer: nn.Module, base_layer: nn.Module, plain: tuple) -> Opt
 
 
 def _small_state(x: torch.Tensor, result: torch.Tensor, scaling) -> tuple:
-    """What a :class:`dora_cache.SmallRecord` was made under besides its tensors: the epoch, the settings, the
-    scaling, x's and the result's dtypes, autocast's dtype for x's device (False where it is off)."""
+    """What a :class:`dora_cache.SmallRecord` was made under besides its tensors: the epoch, the settings,
+    ``DoraCaching``, the scaling, x's and the result's dtypes, autocast's dtype for x's device (False where it is
+    off)."""
     device_type = x.device.type
     autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
-    return (_epoch[0], dora_settings.current(), float(scaling), x.dtype, result.dtype, autocast)
+    caching = ENABLE_DORA_CACHING
+    return (_epoch[0], dora_settings.current(), caching, float(scaling), x.dtype, result.dtype, autocast)
 
 
 def _plain_branch(lora_A: nn.Module, lora_B: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:

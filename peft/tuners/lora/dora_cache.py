@@ -269,19 +269,21 @@ class SmallRecord:
 
     It answers while the very same W, A, B, m (and bias) objects keep their storage, version counter, layout, dtype
     and device, no optimizer step or merge came between (the epoch), and the settings (the ``PEFT_DORA_*``
-    snapshot), the scaling, x's and the result's dtypes and the autocast state are those it was made under; the
-    caller checks the rest of the small tier's gates on every forward (eval, no autograd, the output's size, no
-    compile or capture, a plain branch, no ``DoraCaching``). Weak references: a replaced parameter is not kept alive.
+    snapshot), ``DoraCaching``'s switch, the scaling, x's and the result's dtypes and the autocast state are those it
+    was made under; the caller checks the rest of the small tier's gates on every forward (eval, no autograd, the
+    output's size, no compile or capture, a plain branch, ``DoraCaching``'s entry). Weak references: a replaced
+    parameter is not kept alive.
     """
 
-    __slots__ = ("refs", "key", "state", "inference", "plain", "scaled_b", "bias_term", "g")
+    __slots__ = ("refs", "key", "state", "inference", "plain", "scaled_b", "bias_term", "g", "cached")
 
-    def __init__(self, tensors, state: tuple, scaled_b, bias_term, g) -> None:
+    def __init__(self, tensors, state: tuple, scaled_b, bias_term, g, cached=None) -> None:
         self.refs = tuple(weakref.ref(t) for t in tensors)
         # a bitsandbytes weight (Params4bit) has a Python __torch_function__: its key is read without it
         self.plain = all(type(t) is nn.Parameter for t in tensors)
         self.key = small_key(tensors, self.plain)
         self.state, self.scaled_b, self.bias_term, self.g = state, scaled_b, bias_term, g
+        self.cached = cached  # DoraCaching's norm it was made with (held: its identity is what the caller compares)
         # an inference tensor answers only in inference mode (as ``reused``'s do)
         self.inference = g.is_inference() or scaled_b.is_inference()
 

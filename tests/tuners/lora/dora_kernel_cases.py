@@ -738,6 +738,64 @@ def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monke
     assert answered == []
 
 
+def test_small_record_under_dora_caching(dora_switches, dora_env, monkeypatch):
+    """Under ``DoraCaching`` (upstream's semantics: the first cached eval forward's norm, kept until ``train()``
+    whatever the weights do) the small tier's record answers as the full path would, so caching costs no more than
+    it saves: the same bits as a forward with records switched off, after in-place edits of B (which the cached norm
+    ignores), after the cache is emptied (the record held its entry, so it steps aside), and on leaving the context
+    (records made under it step aside)."""
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+    from peft.helpers import DoraCaching
+    from peft.tuners.lora import dora
+
+    dora_switches(decode_kernels=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
+    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
+    peft_model = get_peft_model(model, config).eval()
+    first = peft_model.base_model.model[0]
+    x = torch.randn(2, 3, 24)
+    answered = []
+    recorded = dora.DoraLinearLayer.recorded_small_output
+
+    def counted(self, *args):
+        out = recorded(self, *args)
+        answered.append(out is not None)
+        return out
+
+    def forward(records: bool = True):
+        answered.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            if records:
+                mp.setattr(dora.DoraLinearLayer, "recorded_small_output", counted)
+            else:
+                mp.setattr(dora.DoraLinearLayer, "recorded_small_output", lambda *args: None)
+            return peft_model(x)
+
+    def as_without_records(answers: list):
+        got = forward()
+        assert answered == answers, answered
+        assert torch.equal(got, forward(records=False))
+        return got
+
+    with torch.no_grad():
+        forward()
+        as_without_records([True, True])
+        with DoraCaching():
+            as_without_records([False, False])  # records made without the cache step aside
+            as_without_records([True, True])
+            first.lora_B["default"].weight.mul_(1.5)
+            as_without_records([False, True])
+            as_without_records([True, True])
+            first.lora_magnitude_vector["default"]._dora_cache.clear()
+            as_without_records([False, True])  # its entry is gone: the full path computes and caches a new norm
+            as_without_records([True, True])
+        fresh = as_without_records([False, False])  # records made under the cache step aside
+        assert_close(fresh, eager_forward(peft_model, x), dtype=torch.float32)
+
+
 def dora_settings_changed():
     """A context with other DoRA settings in force (a new snapshot)."""
     from peft.tuners.lora import dora_settings
