@@ -366,6 +366,19 @@ def test_output_with_a_magnitude_that_cannot_be_divided_by_keeps_inner(value):
     assert_close(m.grad, want, scale=23**0.5)
 
 
+def small_dora_model():
+    """Linear(24, 40) with a bias, ReLU, Linear(40, 17) without: DoRA r = 4 on both, A and B random (a trained
+    adapter's, not B = 0), seed 0, eval mode."""
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
+    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
+    return get_peft_model(model, config).eval()
+
+
 def eager_forward(model, x):
     """``model(x)`` on the eager tier (PEFT_DORA_FUSED=0: computed afresh, nothing kept is read), the settings in force
     before restored."""
@@ -541,18 +554,13 @@ def test_small_tier_folds_the_scale_into_b(dora_switches, dora_env, monkeypatch,
     after in-place edits of B, the magnitude and the bias (new factors, so a new s·g·B), with s·g·B kept or made in
     every forward; an fp32 result beside a bf16 branch (bitsandbytes under autocast) composes from the LoRA output in
     fp32 up to SMALL_FORWARD_WIDE_NUMEL elements and takes the one-pass kernel above."""
-    from torch import nn
 
-    from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import dora
 
     dora_switches(decode_kernels=False)
     if not kept:
         monkeypatch.setattr(dispatch, "SCALED_B_KEPT_NUMEL", 0)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
-    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
-    peft_model = get_peft_model(model, config).eval()
+    peft_model = small_dora_model()
     first = peft_model.base_model.model[0]
     x = torch.randn(2, 3, 24)
 
@@ -612,6 +620,21 @@ def test_small_tier_folds_the_scale_into_b(dora_switches, dora_env, monkeypatch,
             assert_close(out, want, dtype=torch.bfloat16)
 
 
+def counting_records(answered: list):
+    """``DoraLinearLayer.recorded_small_output`` (as it is now) that appends to ``answered`` whether each call
+    answered, for a test to patch in."""
+    from peft.tuners.lora import dora
+
+    recorded = dora.DoraLinearLayer.recorded_small_output
+
+    def counted(self, *args):
+        out = recorded(self, *args)
+        answered.append(out is not None)
+        return out
+
+    return counted
+
+
 def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monkeypatch):
     """An eval forward on the small tier keeps a record (``dora_cache.SmallRecord``) that answers the next ones in
     three ops: the same bits as the full path while nothing changed; after each change below the output is a fresh
@@ -622,25 +645,14 @@ def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monke
     grad), an optimizer step, inference mode and training mode."""
     from torch import nn
 
-    from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import dora
 
     dora_switches(decode_kernels=False)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
-    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
-    peft_model = get_peft_model(model, config).eval()
+    peft_model = small_dora_model()
     first, second = peft_model.base_model.model[0], peft_model.base_model.model[2]
     x = torch.randn(2, 3, 24)
     answered = []
-    recorded = dora.DoraLinearLayer.recorded_small_output
-
-    def counted(self, *args):
-        out = recorded(self, *args)
-        answered.append(out is not None)
-        return out
-
-    monkeypatch.setattr(dora.DoraLinearLayer, "recorded_small_output", counted)
+    monkeypatch.setattr(dora.DoraLinearLayer, "recorded_small_output", counting_records(answered))
 
     def fresh():
         return eager_forward(peft_model, x)
@@ -744,26 +756,16 @@ def test_small_record_under_dora_caching(dora_switches, dora_env, monkeypatch):
     it saves: the same bits as a forward with records switched off, after in-place edits of B (which the cached norm
     ignores), after the cache is emptied (the record held its entry, so it steps aside), and on leaving the context
     (records made under it step aside)."""
-    from torch import nn
 
-    from peft import LoraConfig, get_peft_model
     from peft.helpers import DoraCaching
     from peft.tuners.lora import dora
 
     dora_switches(decode_kernels=False)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
-    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
-    peft_model = get_peft_model(model, config).eval()
+    peft_model = small_dora_model()
     first = peft_model.base_model.model[0]
     x = torch.randn(2, 3, 24)
     answered = []
-    recorded = dora.DoraLinearLayer.recorded_small_output
-
-    def counted(self, *args):
-        out = recorded(self, *args)
-        answered.append(out is not None)
-        return out
+    counted = counting_records(answered)
 
     def forward(records: bool = True):
         answered.clear()
@@ -807,15 +809,10 @@ def test_decode_tier_in_a_model_and_its_fallbacks(dora_switches, dora_env, monke
     """A DoRA model in eval without autograd decodes through the two launches: same output as with them switched off
     (the small tier's matmuls and op), in autocast too; a hook on lora_A, autograd, more rows than the decode limit or
     a training-mode forward take the other paths."""
-    from torch import nn
 
-    from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import dora
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
-    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
-    peft_model = get_peft_model(model, config).eval()
+    peft_model = small_dora_model()
 
     def run(x, decode, autocast=False):
         dora_switches(decode_kernels=decode)
@@ -849,17 +846,12 @@ def test_decode_tier_in_a_model_and_its_fallbacks(dora_switches, dora_env, monke
 def test_dora_caching_keeps_the_decode_tier(dora_switches):
     """``peft.helpers.DoraCaching`` (upstream's inference speed-up) never costs a faster path: decode steps with it on
     take the same tier as with it off, reuse the same factors and compute no norm again."""
-    from torch import nn
 
-    from peft import LoraConfig, get_peft_model
     from peft.helpers import DoraCaching
     from peft.tuners.lora import dora
 
     dora_switches(decode_kernels=True)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
-    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
-    peft_model = get_peft_model(model, config).eval()
+    peft_model = small_dora_model()
     x = torch.randn(1, 2, 24)
     runs = {}
     with torch.no_grad():
