@@ -666,24 +666,33 @@ class DoraLinearLayer(nn.Module):
     def _keep_small_record(
         self, x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name
     ) -> None:
-        """After a small-tier forward that used a kept ``s·g·B``: a :class:`dora_cache.SmallRecord` of it, for
-        :meth:`recorded_small_output`, where W (a plain Linear's or a 4-bit layer's), A, B, m and the bias are
-        parameters whose changes their version counters show (not sharded or gathered: FSDP, ZeRO-3). Under
-        ``DoraCaching`` it also holds the adapter's cached norm (None if there is none), and answers only while the
-        cache holds that very entry."""
-        kept = self._reuse.scaled_b
+        """After a small-tier forward: a :class:`dora_cache.SmallRecord` of it, for :meth:`recorded_small_output`,
+        where W (a plain Linear's or a 4-bit layer's), A, B, m and the bias are parameters whose changes their
+        version counters show (not sharded or gathered: FSDP, ZeRO-3). The folded path's record holds the kept
+        ``s·g·B`` and bias term (none where B was too large to keep them); an fp32 result beside a half branch (the
+        QLoRA recipe's fp32 hidden states) is recorded with its ``g`` and bias row. Under ``DoraCaching`` it also
+        holds the adapter's cached norm (None if there is none), and answers only while the cache holds that very
+        entry."""
+        rows = self._reuse.rows
+        branch_dtype = dora_decode.compute_dtype(x)
+        if result.dtype == branch_dtype:
+            kept = self._reuse.scaled_b
+            if kept is None or kept[0] is not rows[0] or kept[1] != branch_dtype:
+                return
+            scaled_b, bias_term = kept[2], kept[3]
+        else:  # _small_output took the fp32 composition
+            scaled_b, bias_term = None, (rows[2] if len(rows) > 2 else None)
         tensors = _small_tensors(self, base_layer, (weight_a, weight_b))
         expected = (*_weight_sources(weight), weight_a, weight_b, magnitude) + (() if bias is None else (bias,))
         if (
-            kept is None or kept[0] is not self._reuse.rows[0] or tensors is None
-            or type(self) is not DoraLinearLayer or len(tensors) != len(expected) or _weight_versions(weight)
-            or any(t is not e for t, e in zip(tensors, expected))
-            or result.dtype != kept[1] or not identity_tracked(tensors) or dora_dist.stand_ins(tensors) is not None
+            tensors is None or type(self) is not DoraLinearLayer or len(tensors) != len(expected)
+            or _weight_versions(weight) or any(t is not e for t, e in zip(tensors, expected))
+            or not identity_tracked(tensors) or dora_dist.stand_ins(tensors) is not None
         ):  # fmt: skip
             return
         state = _small_state(x, result, scaling)
         cached = self._cache_get(f"weight-norm-{adapter_name}", None) if ENABLE_DORA_CACHING else None
-        self._reuse.small = SmallRecord(tensors, state, kept[2], kept[3], self._reuse.rows[1], cached)
+        self._reuse.small = SmallRecord(tensors, state, scaled_b, bias_term, rows[1], cached)
 
     def recorded_small_output(
         self, x, result, lora_A, lora_B, scaling, base_layer, adapter_name="default"
@@ -709,12 +718,23 @@ class DoraLinearLayer(nn.Module):
         tensors = None if plain is None else _small_tensors(self, base_layer, plain)
         if tensors is None or capturing(()) or not kept.holds(tensors, _small_state(x, result, scaling)):
             return None
-        out = F.linear(F.linear(x, plain[0]), kept.scaled_b, kept.bias_term)
-        if out.shape != result.shape:
-            return None
+        if kept.scaled_b is None:  # _small_output's fp32 composition, as it computes it
+            if numel > dora_dispatch.SMALL_FORWARD_WIDE_NUMEL:
+                return None
+            lora = F.linear(F.linear(x, plain[0]), plain[1])
+            if lora.shape != result.shape:
+                return None
+            out = torch.add(result, lora, alpha=kept.state[3]).mul_(kept.g)
+            if kept.bias_term is not None:
+                out.add_(kept.bias_term)
+        else:
+            out = F.linear(F.linear(x, plain[0]), kept.scaled_b, kept.bias_term)
+            if out.shape != result.shape:
+                return None
+            out.addcmul_(result, kept.g)
         record(self, TIER_SMALL_FORWARD)
         norm_counts["scale_reused"] += 1
-        return out.addcmul_(result, kept.g)
+        return out
 
     def _scaled_b(self, weight_b, factors, scaling: float, dtype: torch.dtype) -> tuple:
         """(``s·g·B`` [d_out, r], ``(1 − g)·bias`` or None) in ``dtype``, the products taken in fp32 (or wider). Kept

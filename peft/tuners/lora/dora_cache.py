@@ -263,9 +263,10 @@ def capturing(sources) -> bool:
 
 
 class SmallRecord:
-    """An eval forward on the small tier (``DoraLinearLayer._small_output`` with ``s·g·B`` kept), kept so that the
-    next ones run its three ops after a handful of checks instead of the gates and the memos' lookups (which cost
-    more host time than the ops where a forward is host-bound, and more than LoRA's whole forward).
+    """An eval forward on the small tier (``DoraLinearLayer._small_output``: ``s·g·B`` and the bias term kept, or
+    the fp32 composition beside a half branch with ``g`` and the bias row), kept so that the next ones run its ops
+    after a handful of checks instead of the gates and the memos' lookups (which cost more host time than the ops
+    where a forward is host-bound, and more than LoRA's whole forward).
 
     It answers while the very same W, A, B, m (and bias) objects keep their storage, version counter, layout, dtype
     and device, no optimizer step or merge came between (the epoch), and the settings (the ``PEFT_DORA_*``
@@ -285,7 +286,7 @@ class SmallRecord:
         self.state, self.scaled_b, self.bias_term, self.g = state, scaled_b, bias_term, g
         self.cached = cached  # DoraCaching's norm it was made with (held: its identity is what the caller compares)
         # an inference tensor answers only in inference mode (as ``reused``'s do)
-        self.inference = g.is_inference() or scaled_b.is_inference()
+        self.inference = any(t is not None and t.is_inference() for t in (g, scaled_b, bias_term))
 
     def holds(self, tensors, state: tuple) -> bool:
         """Whether the record answers for these tensors (the same objects, unchanged) and this state."""

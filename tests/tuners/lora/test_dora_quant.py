@@ -220,10 +220,12 @@ def test_eval_matches_upstream_and_reuses_the_norm(kind, autocast):
     assert counts["norm_computed"] == 2 and counts.get("norm_reused", 0) + counts.get("scale_reused", 0) >= 2, counts
 
 
+@pytest.mark.parametrize("hidden", (torch.bfloat16, torch.float32), ids=("bf16_hidden", "fp32_hidden"))
 @pytest.mark.parametrize("kind", ("nf4", "fp4"))
-def test_eval_record_of_a_4bit_layer_follows_its_storage(kind):
-    """Under autocast a 4-bit layer with a bf16 input and no bias has a bf16 result, which takes the small tier
-    (under the interpreter; an fp32 input or bias makes an fp32 result, whose path keeps no record), and its record
+def test_eval_record_of_a_4bit_layer_follows_its_storage(kind, hidden):
+    """Under autocast a 4-bit layer returns its input's dtype: a bf16 result takes the small tier's folded path, an
+    fp32 one (the QLoRA recipe's fp32 hidden states) its fp32 composition beside the bf16 branch (under the
+    interpreter), and each keeps a record
     (``dora_cache.SmallRecord``, keyed on the packed weight and its scales) answers the next forwards; an in-place
     edit of a block's scale and a requantized weight each give upstream's fresh output, never the record's stale
     one."""
@@ -231,7 +233,7 @@ def test_eval_record_of_a_4bit_layer_follows_its_storage(kind):
     # bitsandbytes returns its input's dtype: a bf16 input makes a bf16 result. The second layer (96 inputs): its
     # quantization blocks of 64 straddle rows, so a block's scale changes a row's direction, not only its length
     # (DoRA's output is nearly blind to a row's length)
-    x = torch.randn(2, 7, 96, dtype=torch.bfloat16)
+    x = torch.randn(2, 7, 96, dtype=hidden)
     down = model.base_model.model.down
 
     def forward_against_upstream():
@@ -240,14 +242,15 @@ def test_eval_record_of_a_4bit_layer_follows_its_storage(kind):
             expected = to_upstream(model).base_model.model.down(x)
             dora.tier_counts.clear(), dora.norm_counts.clear()
             first, second = down(x), down(x)
-        assert first.dtype == torch.bfloat16
+        assert first.dtype == hidden
         assert_close(first, expected, dtype=torch.bfloat16)
         assert torch.equal(first, second)
         return first
 
     before = forward_against_upstream()
     if INTERPRET:
-        assert down.lora_magnitude_vector["default"]._reuse.small is not None
+        kept = down.lora_magnitude_vector["default"]._reuse.small
+        assert kept is not None and (kept.scaled_b is None) is (hidden == torch.float32)
         assert dora.tier_counts == {dora.TIER_SMALL_FORWARD: 2} and dora.norm_counts["scale_reused"] == 1
     with torch.no_grad():
         state = down.base_layer.weight.quant_state
