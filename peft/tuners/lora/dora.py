@@ -654,14 +654,10 @@ class DoraLinearLayer(nn.Module):
         if result.dtype != branch_dtype:
             if not wider_result(result.dtype, branch_dtype) or result.numel() > dora_dispatch.SMALL_FORWARD_WIDE_NUMEL:
                 return None
-            lora = F.linear(F.linear(x, weight_a), weight_b)
-            if lora.shape != result.shape:
-                return None
-            out = torch.add(result, lora, alpha=float(scaling)).mul_(factors[1])
-            return out if len(factors) < 3 else out.add_(factors[2])
+            bias_row = factors[2] if len(factors) > 2 else None
+            return _small_fp32(x, result, weight_a, weight_b, float(scaling), factors[1], bias_row)
         scaled_b, bias_term = self._scaled_b(weight_b, factors, float(scaling), branch_dtype)
-        out = F.linear(F.linear(x, weight_a), scaled_b, bias_term)
-        return out.addcmul_(result, factors[1]) if out.shape == result.shape else None
+        return _small_folded(x, result, weight_a, scaled_b, bias_term, factors[1])
 
     def _keep_small_record(
         self, x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name
@@ -718,20 +714,14 @@ class DoraLinearLayer(nn.Module):
         tensors = None if plain is None else _small_tensors(self, base_layer, plain)
         if tensors is None or capturing(()) or not kept.holds(tensors, _small_state(x, result, scaling)):
             return None
-        if kept.scaled_b is None:  # _small_output's fp32 composition, as it computes it
+        if kept.scaled_b is None:  # _small_output's fp32 composition
             if numel > dora_dispatch.SMALL_FORWARD_WIDE_NUMEL:
                 return None
-            lora = F.linear(F.linear(x, plain[0]), plain[1])
-            if lora.shape != result.shape:
-                return None
-            out = torch.add(result, lora, alpha=kept.state[3]).mul_(kept.g)
-            if kept.bias_term is not None:
-                out.add_(kept.bias_term)
+            out = _small_fp32(x, result, *plain, float(scaling), kept.g, kept.bias_term)
         else:
-            out = F.linear(F.linear(x, plain[0]), kept.scaled_b, kept.bias_term)
-            if out.shape != result.shape:
-                return None
-            out.addcmul_(result, kept.g)
+            out = _small_folded(x, result, plain[0], kept.scaled_b, kept.bias_term, kept.g)
+        if out is None:
+            return None
         record(self, TIER_SMALL_FORWARD)
         norm_counts["scale_reused"] += 1
         return out
@@ -1207,6 +1197,25 @@ def _lora_output(lora_A: nn.Module, lora_B: nn.Module, x: torch.Tensor) -> torch
         if weight_a is not None and weight_b is not None:
             return F.linear(F.linear(x, weight_a, params_a.get("bias")), weight_b, params_b.get("bias"))
     return lora_B(lora_A(x))
+
+
+def _small_folded(x, result, weight_a, scaled_b, bias_term, g) -> Optional[torch.Tensor]:
+    """The small tier's ops (``DoraLinearLayer._small_output``, and its record's): ``F.linear(F.linear(x, A), s·g·B,
+    (1 − g)·bias)``, then ``g·result`` added with the fp32 ``g``, rounded once; None where the output's shape is not
+    ``result``'s."""
+    out = F.linear(F.linear(x, weight_a), scaled_b, bias_term)
+    return out.addcmul_(result, g) if out.shape == result.shape else None
+
+
+def _small_fp32(x, result, weight_a, weight_b, scaling: float, g, bias_row) -> Optional[torch.Tensor]:
+    """The small tier beside a half branch with an fp32 ``result``: ``(result + s·lora)·g (+ (1 − g)·bias)`` in fp32
+    from the LoRA output PyTorch's ``result + lora`` would add; None where the LoRA output's shape is not
+    ``result``'s."""
+    lora = F.linear(F.linear(x, weight_a), weight_b)
+    if lora.shape != result.shape:
+        return None
+    out = torch.add(result, lora, alpha=scaling).mul_(g)
+    return out if bias_row is None else out.add_(bias_row)
 
 
 def _small_tensors(layer: nn.Module, base_layer: nn.Module, plain: tuple) -> Optional[tuple]:
