@@ -163,6 +163,10 @@ TINY_GRID_ROWS = (  # every code path: both modes, both targets, dropout 0 and 0
 GRIDS = {"default": (GRID_SHAPES, GRID_ROWS), "tiny": (TINY_GRID_SHAPES, TINY_GRID_ROWS)}
 GRID_IMPLS = ("upstream", "ours_fused", "lora")
 GRID_ROUND_IMPLS = ["ours_fused", "lora"]  # upstream runs once: only its training speed-up is a headline key
+# upstream's training step paired with a LoRA twin in its own process, as ours is in ours: the speed-up is the ratio of
+# the two processes' DoRA/LoRA ratios, each of two steps back to back, which a host's drift between the processes
+# leaves alone (separately timed steps of ours swung by 20 % between rounds a minute apart, 4x H200 grid)
+GRID_UPSTREAM_MEASURES = ["train_step_paired"]
 GRID_DECODE = {"pairs": 4, "steps": 6}  # ABBA pairs of DoRA/LoRA adapters; 1-token forwards timed per side and pair
 GRID_TRAIN_PAIRS = 4  # ABBA pairs of DoRA/LoRA training steps in one process (model_worker.train_step_paired)
 TRAIN_MEASURES = ("train", "train_accum4")
@@ -186,12 +190,12 @@ def grid_points(name: str) -> list:
 
 
 def grid_measures(cfg: dict, impl: str) -> list:
-    """What ``impl`` measures at a grid point: upstream the training step (its speed-up is the only upstream key, and
-    its decode costs 3-4x ours), every other impl train, x4 accumulation (at the points that ask) and inference,
-    and the DoRA impls of ``--paired-impls`` the training step, the inference forward and the 1-token decode paired
-    with a LoRA twin."""
+    """What ``impl`` measures at a grid point: upstream the training step paired with its LoRA twin (its speed-up is
+    the only upstream key, and its decode costs 3-4x ours), every other impl train, x4 accumulation (at the points
+    that ask) and inference, and the DoRA impls of ``--paired-impls`` the training step, the inference forward and
+    the 1-token decode paired with a LoRA twin."""
     if impl == "upstream":
-        return ["train"]
+        return list(GRID_UPSTREAM_MEASURES)
     paired = list(PAIRED) if impl in cfg["decode_paired"]["impls"] else []
     return ["train", "train_accum4", "infer"] + paired
 
@@ -660,7 +664,7 @@ def point_cost_s(cfg: dict, point: dict, impl: str) -> float:
     infer = step("infer", (flops + dense) / EFFECTIVE_FLOPS)
     decode = step("decode", 2 * weights(ck) / HBM_BYTES_PER_S)
     measures, reps = grid_measures(cfg, impl), cfg["warmup"] + cfg["repeats"]
-    total = POINT_SETUP_S + reps * train
+    total = POINT_SETUP_S + reps * train * ("train" in measures)
     if "train_accum4" in measures and point["accum4"]:
         total += (max(1, cfg["warmup"] - 1) + cfg["repeats"]) * 4 * train
     if "infer" in measures:
@@ -908,10 +912,10 @@ def speed_value(doc: dict, impl: str, mode: str, measure: str, rank: int, key: s
     return None if r is None else r.get(key)
 
 
-def paired_ratio(doc: dict, mode: str, measure: str, rank: int, point: str | None = None):
-    """Ours fused / its LoRA twin from a paired record (the median of every pair's ratio); None where the record is
-    missing or failed its gradient proof."""
-    record = _record(doc, "ours_fused", mode, measure, rank, point)
+def paired_ratio(doc: dict, mode: str, measure: str, rank: int, point: str | None = None, impl: str = "ours_fused"):
+    """``impl`` (ours fused) / its LoRA twin from a paired record (the median of every pair's ratio); None where the
+    record is missing or failed its gradient proof."""
+    record = _record(doc, impl, mode, measure, rank, point)
     return None if record is None or not proof_ok(record) else record.get("ratio_median")
 
 
@@ -1034,8 +1038,8 @@ def compiled_headline_over_runs(named_docs: list) -> dict:
 
 def grid_ratios(doc: dict) -> list:
     """Per point of the run's grid: ours fused / LoRA for each measure the point has (the paired training step and
-    decode: the median of every pair's ratio), and upstream / ours fused for the training step; None where a record
-    is missing or failed its gradient proof."""
+    decode: the median of every pair's ratio), and upstream / ours fused for the training step (:func:`speedup`);
+    None where a record is missing or failed its gradient proof."""
     rows = []
     taken = {r["measure"] for r in doc.get("speed", [])}  # a run before train_step_paired existed has none
     for p in doc["config"]["grid"]["points"]:
@@ -1049,9 +1053,19 @@ def grid_ratios(doc: dict) -> list:
                 ratios[measure] = None if paired is None else round(paired, 4)
             else:
                 ratios[measure] = time_ratio(doc, "ours_fused", "lora", measure=measure, **at)
-        speedup = time_ratio(doc, "upstream", "ours_fused", measure="train", **at)
-        rows.append({"point": p, "dora_over_lora": ratios, "speedup_vs_upstream_train": speedup})
+        rows.append({"point": p, "dora_over_lora": ratios, "speedup_vs_upstream_train": speedup(doc, at)})
     return rows
+
+
+def speedup(doc: dict, at: dict):
+    """Upstream's training step over ours at a grid point: where both timed it paired with a LoRA twin in their own
+    process, the ratio of those DoRA/LoRA ratios (upstream's over ours); in a run before upstream's paired step, the
+    separately timed steps' ratio."""
+    up = paired_ratio(doc, measure="train_step_paired", impl="upstream", **at)
+    if up is not None or _record(doc, "upstream", measure="train_step_paired", **at) is not None:
+        ours = paired_ratio(doc, measure="train_step_paired", **at)
+        return None if up is None or not ours else round(up / ours, 4)
+    return time_ratio(doc, "upstream", "ours_fused", measure="train", **at)
 
 
 GRID_WORST = (  # headline key, modes, measures: the largest ours fused / LoRA over those points

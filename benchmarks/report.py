@@ -153,7 +153,8 @@ def render_grid(doc: dict) -> str:
         f"{env.get('triton')}, transformers {env.get('transformers')}; {env.get('date')}. Ours fused / plain LoRA time "
         "(median of per-round ratios; paired: DoRA and a LoRA twin adapter stepped back to back in one process, the "
         "median of the pairs' ratios), the worst point of each shape and mode with "
-        "where it is (train: the step or, marked accum4, the ×4 accumulation step); speed-up = upstream DoRA / ours.",
+        "where it is (train: the step or, marked accum4, the ×4 accumulation step); speed-up = upstream DoRA / ours "
+        "(where upstream's step was paired with its own LoRA twin in its process: upstream's DoRA/LoRA over ours').",
         "",
         "| shape | mode | " + " | ".join(f"worst {label}" for _, label in measures) + " | median train | "
         "smallest speed-up over upstream (train) |",

@@ -51,7 +51,7 @@ def test_grid_runs_in_interleaved_rounds_within_four_device_calls():
     assert f"--grid-shapes {','.join(calls[0]['shapes'])}" in command and len(command) < 2000
     one = _cfg("--grid-shapes", "llama8b", "--modes", "bf16")["grid"]["points"]
     assert {(p["shape"], p["mode"]) for p in one} == {("llama8b", "bf16")}
-    assert bench_model.grid_measures(cfg, "upstream") == ["train"]
+    assert bench_model.grid_measures(cfg, "upstream") == ["train_step_paired"]
     assert set(bench_model.PAIRED) <= set(bench_model.grid_measures(cfg, "ours_fused"))
     assert cfg["grid"]["train_pairs"] == bench_model.GRID_TRAIN_PAIRS
     with pytest.raises(SystemExit, match="--grid"):
@@ -241,6 +241,30 @@ def test_paired_training_steps_give_their_own_worst_case_and_need_their_proof():
     records[-1]["grad_proof"] = {"ok": False, "bad_names": ["lora_magnitude_vector.default.weight"]}
     head = bench_model.headline_values(_grid_doc([a, b, c], records))
     assert head["grid_worst_dora_over_lora_train_paired_bf16"] is None and head["grid_points"] == 2
+
+
+def test_speedup_over_upstream_is_the_ratio_of_the_two_processes_paired_ratios():
+    """Where upstream's training step was paired with its own LoRA twin in its process, the speed-up is upstream's
+    DoRA/LoRA over ours' (each from steps back to back, so a host's drift between the two processes cancels), not
+    the separately timed steps' ratio; a failed proof on either side leaves the point out."""
+    a = _point("llama1b", "autocast", 16)
+    b = _point("llama8b", "bf16", 64)
+    records = []
+    for point, ours, up in ((a, 1.1, 1.65), (b, 1.2, 1.5)):
+        # the separate steps say otherwise (a slow phase of the host under ours): they must not be read
+        records += _point_records(point, ours=[30.0, 30.0], lora=[10.0, 10.0], upstream=15.0, decode=[1.0])
+        records = [r for r in records if not (r["impl"] == "upstream" and r["measure"] == "train")]
+        for impl, ratio in (("ours_fused", ours), ("upstream", up)):
+            records.append(_rec(impl, point, "train_step_paired", 10.0 * ratio, 0, pair_ratios=[ratio],
+                                ratio_median=ratio, lora_median_ms=10.0,
+                                grad_proof={"ok": True}, lora_grad_proof={"ok": True}))  # fmt: skip
+    head = bench_model.headline_values(_grid_doc([a, b], records))
+    assert head["grid_worst_speedup_vs_upstream_train"] == pytest.approx(1.25)  # b: 1.5 / 1.2, a: 1.65 / 1.1
+    assert head["grid_worst_speedup_vs_upstream_train_at"] == b["label"]
+    records[-1]["grad_proof"] = {"ok": False, "bad_names": ["lora_B.default.weight"]}  # b's upstream side
+    head = bench_model.headline_values(_grid_doc([a, b], records))
+    assert head["grid_worst_speedup_vs_upstream_train"] == pytest.approx(1.5)
+    assert head["grid_worst_speedup_vs_upstream_train_at"] == a["label"]
 
 
 def test_inference_keys_come_from_the_paired_forward_where_the_run_has_it():
