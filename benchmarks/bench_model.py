@@ -1324,7 +1324,18 @@ def scrub(text: str, places: dict) -> str:
     return re.sub(r"/[^\s\"']*/(site|dist)-packages/", "<site-packages>/", text)
 
 
+def scrub_argv(doc: dict) -> dict:
+    """``doc`` with every absolute path in its runs' command lines (a ``--workdir`` the places of :func:`scrub` do not
+    name) cut to ``<abs>/`` and its last part: a committed JSON names no machine's folders."""
+    for run in doc.get("runs") or []:
+        if isinstance(run, dict) and isinstance(run.get("argv"), list):
+            argv = run["argv"]
+            run["argv"] = [f"<abs>/{Path(a).name}" if isinstance(a, str) and a.startswith("/") else a for a in argv]
+    return doc
+
+
 def write_doc(doc: dict, path: Path) -> None:
+    doc = scrub_argv(doc)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")

@@ -9,9 +9,10 @@ autograd nodes, launch arguments) with every Triton launch replaced by a no-op (
 tiers are chosen as on a GPU; outputs are not computed); ``--tiers eager`` runs the PyTorch tiers. ``--measure
 train`` times a training step (forward under non-reentrant checkpointing unless ``--no-checkpointing``, backward,
 AdamW), ``eval`` an eval forward without autograd; ``--autocast`` keeps the adapters in fp32 beside a ``--dtype``
-base and runs the step under bf16 autocast (the grid's autocast mode; the QLoRA recipe on NF4). LoRA and DoRA alternate in one process, ``--rounds`` rounds of
-``--calls`` calls; the record keeps each round and the medians in µs per module, DoRA's extra over LoRA's, the ATen
-ops one call dispatches per module (a count that does not drift with the host), and the tiers DoRA ran.
+base and runs the step under bf16 autocast (the grid's autocast mode; the QLoRA recipe on NF4). LoRA and DoRA
+alternate in one process, ``--rounds`` rounds of ``--calls`` calls; the record keeps each round and the medians in µs
+per module, DoRA's extra over LoRA's, the ATen ops one call dispatches per module (a count that does not drift with
+the host), and the tiers DoRA ran.
 
     python benchmarks/host_eager.py --measure train --tiers fused --out benchmarks/results/profile/host_eager.json
 

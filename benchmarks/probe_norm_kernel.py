@@ -192,7 +192,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     env = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version()}
     rows = {"variants": probe_variants(args)} if args.variants else probe(args)
-    record = {"kind": "probe_norm_kernel", "env": env, "config": vars(args), **rows}
+    config = dict(vars(args), out=Path(args.out).name)  # the file's name, not the machine's folder
+    record = {"kind": "probe_norm_kernel", "env": env, "config": config, **rows}
     Path(args.out).write_text(json.dumps(record, indent=1))
     print("wrote", args.out)
     return 0

@@ -360,3 +360,17 @@ def test_compiled_pairs_time_a_twin_model_that_trains_from_the_same_weights():
     assert train["grad_proof"]["ok"] and train["lora_grad_proof"]["ok"] and len(train["pair_ratios"]) == 2
     infer = model_worker.twin_pairs("infer_step_paired", models, models, cfg, "bf16", device, pairs=2)
     assert len(infer["pair_ratios"]) == 2 and "grad_proof" not in infer
+
+
+def test_committed_results_and_written_json_name_no_machine_folders(tmp_path):
+    """A run's command line keeps its arguments but no absolute folder (``--workdir /tmp/...`` was once committed),
+    and no committed result names a machine's folders."""
+    doc = {"runs": [{"argv": ["--workdir", "/tmp/qw", "--out", "<out>/x.json", "--ranks", "16"]}]}
+    out = tmp_path / "x.json"
+    bench_model.write_doc(doc, out)
+    assert json.loads(out.read_text())["runs"][0]["argv"] == ["--workdir", "<abs>/qw", "--out", "<out>/x.json",
+                                                              "--ranks", "16"]  # fmt: skip
+    results = REPO_ROOT / "benchmarks" / "results"
+    named = [p.name for p in results.rglob("*.json") if any(
+        f'"{root}' in p.read_text(encoding="utf-8") for root in ("/tmp/", "/work/", "/home/", "/root/"))]  # fmt: skip
+    assert named == []
