@@ -589,6 +589,11 @@ class FusedDoRAComposeFunction(torch.autograd.Function):
         return d_lora, d_base, d_mag, None
 
 
+# the norm a training node keeps: a layer's norm graph hands out its output buffer, whose version moves on when a
+# replay rewrites it from changed weights (dora_graph.note_write)
+_NORM = "weight norm (recomputed by another forward of this layer from weights edited in place since this forward)"
+
+
 def _check_version(t: torch.Tensor, version: int, what: str) -> None:
     """Autograd's check for a saved input, for the inputs a node keeps as attributes."""
     if t._version != version:
@@ -630,7 +635,8 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
         if out is lora:
             ctx.mark_dirty(lora)
         ctx.save_for_backward(out if from_output else inner)
-        ctx.magnitude, ctx.mag_version, ctx.weight_norm, ctx.bias = magnitude, magnitude._version, weight_norm, bias
+        ctx.magnitude, ctx.weight_norm, ctx.bias = magnitude, weight_norm, bias
+        ctx.versions = (magnitude._version, weight_norm._version)
         ctx.scale, ctx.eps, ctx.from_output = scale, eps, from_output
         return out
 
@@ -638,7 +644,8 @@ class FusedDoRAOutputFunction(torch.autograd.Function):
     def backward(ctx, d_y):
         (inner,) = ctx.saved_tensors
         magnitude, weight_norm, bias = ctx.magnitude, ctx.weight_norm, ctx.bias
-        _check_version(magnitude, ctx.mag_version, "magnitude")
+        _check_version(magnitude, ctx.versions[0], "magnitude")
+        _check_version(weight_norm, ctx.versions[1], _NORM)
         needs_result, needs_lora, needs_mag = ctx.needs_input_grad[:3]
         if not (needs_result or needs_lora or needs_mag):
             return None, None, None, None, None, None, None, None, None
@@ -704,7 +711,7 @@ class FusedDoRALinearFunction(torch.autograd.Function):
         ctx.separate_base = base is not None
         ctx.save_for_backward(a, out if from_output else inner)
         ctx.weights = (weight_b, magnitude, weight_norm, bias)
-        ctx.versions = (weight_b._version, magnitude._version)
+        ctx.versions = (weight_b._version, magnitude._version, weight_norm._version)
         ctx.scale, ctx.eps, ctx.from_output = scale, eps, from_output
         return out
 
@@ -713,9 +720,11 @@ class FusedDoRALinearFunction(torch.autograd.Function):
         end_pass()  # the norms a device's batch computed in this forward pass are not handed out after it
         a, saved = ctx.saved_tensors
         weight_b, magnitude, weight_norm, bias = ctx.weights
-        if weight_b._version != ctx.versions[0] or magnitude._version != ctx.versions[1]:
-            _check_version(weight_b, ctx.versions[0], "lora_B")
-            _check_version(magnitude, ctx.versions[1], "magnitude")
+        versions = ctx.versions
+        if weight_b._version != versions[0] or magnitude._version != versions[1] or weight_norm._version != versions[2]:
+            _check_version(weight_b, versions[0], "lora_B")
+            _check_version(magnitude, versions[1], "magnitude")
+            _check_version(weight_norm, versions[2], _NORM)
         needs_result, needs_a, needs_b, needs_mag, needs_base = ctx.needs_input_grad[:5]
         separate = ctx.separate_base
         # the gradient the kernel (or its twin) writes beside d_lora: result's, g·d_y, or with the dropout path's own

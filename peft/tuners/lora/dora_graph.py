@@ -16,12 +16,17 @@
 A training forward computes the norm afresh (four to six launches, about 200 µs of host time per module on the
 H200's host), although its inputs are the same tensors every time: the optimizer updates ``A`` and ``B`` in place
 and ``W`` is frozen. A CUDA graph of that computation reads whatever those tensors hold when it is replayed, so
-after one eager computation and one capture each fresh norm is one graph launch and one copy of the result.
+after one eager computation and one capture each fresh norm is one graph launch.
 
 A graph is tied to the storage of its inputs, so it is replayed only for the very same tensor objects (weak
 references) with the same storage, shape, strides, dtype and device, the same scaling and the same environment;
 anything else computes eagerly and captures again on the next call that repeats. Replays write into the graph's
-own output buffer, so callers get a copy: no norm handed out earlier changes when the graph runs again.
+own output buffer, which a layer's graph hands out as it is (a copy per forward was one more allocation and launch
+per module and step, on a host-bound step's critical path): a replay from the inputs' versions of the last one
+writes the values that are there already, and one from other versions bumps the buffer's version counter
+(:func:`note_write`), so that a training node holding the norm of an earlier forward (``dora_fused``) fails its
+backward as autograd fails on a saved tensor edited in place, instead of reading the new norm. The torch.compile
+op's graphs (:class:`StorageNormGraph`) hand out copies: a compiled graph may reuse an op's output as scratch space.
 
 All graphs of a device capture into one shared memory pool: each capture's temporaries are freed when it ends
 and serve the next one, and graphs replay one at a time on the current stream, so the pool stays as large as
@@ -73,17 +78,34 @@ def _key(tensors, extra) -> tuple:
     return extra, [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors]
 
 
+def versions(tensors) -> tuple:
+    """The version counters of a graph's inputs: what the values it writes are computed from."""
+    return tuple(t._version for t in tensors)
+
+
+def note_write(out: torch.Tensor, written: list, state: tuple) -> None:
+    """After a replay that wrote ``out`` from inputs at ``state`` (:func:`versions`): where the last write (kept in
+    the one-element list ``written``, shared by everyone who replays that graph) was from other versions, the values
+    changed, so ``out``'s version counter moves on, as an in-place edit's would."""
+    if written[0] != state:
+        if written[0] is not None:
+            torch.autograd.graph.increment_version(out)
+        written[0] = state
+
+
 class NormGraph:
     """One layer's norm computation: eager on the first call with new inputs, captured on the second, replayed
     from then on. A layer holds it in its ``dora_cache.LayerReuse``, whose copies and pickles start empty."""
 
-    __slots__ = ("key", "refs", "graph", "out", "failed")
+    __slots__ = ("key", "refs", "graph", "out", "failed", "written")
+    copies = False  # whether callers get a copy of the output buffer (see the module's docstring)
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
         self.key, self.refs, self.graph, self.out, self.failed = None, (), None, None, False
+        self.written = [None]  # the input versions of the buffer's last write (note_write); a new list per capture
 
     def _same(self, tensors, extra) -> bool:
         return same_objects(self.refs, tensors) and _key(tensors, extra) == self.key
@@ -104,11 +126,17 @@ class NormGraph:
         if self.graph is None:
             out = self._capture(tensors[0].device, compute)
             if out is not None:
-                return out
+                return self._handed_out(tensors)
             return compute()
         self.graph.replay()
         graph_counts["replayed"] += 1
-        return self.out.clone()
+        return self._handed_out(tensors)
+
+    def _handed_out(self, tensors) -> torch.Tensor:
+        if self.copies:
+            return self.out.clone()
+        note_write(self.out, self.written, versions(tensors))
+        return self.out
 
     def _capture(self, device: torch.device, compute) -> Optional[torch.Tensor]:
         """Capture ``compute`` on the device's side stream and replay it once; None (and eager from now on for
@@ -136,16 +164,17 @@ class NormGraph:
         graph_counts["captured"] += 1
         graph.replay()
         graph_counts["replayed"] += 1
-        return out.clone()
+        return out
 
 
 class StorageNormGraph(NormGraph):
     """A :class:`NormGraph` for a caller that holds no layer (the torch.compile norm op, ``dora_norm``): its inputs
     are identified by their live storage (weak references) rather than the tensor objects, which a compiled graph
     hands over as fresh aliases of the parameters. A graph reads its inputs' addresses, so a replay for tensors with
-    the captured data pointers, shapes, strides and dtypes computes from their current values."""
+    the captured data pointers, shapes, strides and dtypes computes from their current values. Callers get copies."""
 
     __slots__ = ()
+    copies = True
 
     def _same(self, tensors, extra) -> bool:
         return len(self.refs) == len(tensors) and not self.dead() and _key(tensors, extra) == self.key

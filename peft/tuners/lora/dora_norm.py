@@ -36,7 +36,7 @@ from .dora_cache import (
     storage_memo,
 )
 from .dora_dispatch import records_grad
-from .dora_graph import graph_counts, same_objects
+from .dora_graph import graph_counts, note_write, same_objects
 from .dora_launch import INTERPRET
 from .dora_settings import current as settings
 from .dora_settings import get_dora_norm_threshold_bytes
@@ -449,7 +449,7 @@ class _OpRecord:
                 return None
         if self.graph is None:
             return None
-        graph, out, w_sq = self.graph
+        graph, out, w_sq, written = self.graph
         w_sq_state = self._w_sq_state(weight, w_sq)
         if (settings(), frozen, w_sq_state) != self.graph_state:
             return None
@@ -459,10 +459,10 @@ class _OpRecord:
         graph.replay()
         graph_counts["replayed"] += 1
         inference = torch.is_inference_mode_enabled()
-        if eager:  # the returned copy is the kept norm, as the layer's memo keeps what it returned
-            value = out.clone()
-            self.value, self.state, self.inference = value, state, inference
-            return value
+        if eager:  # the graph's output buffer itself, as the layer's graph hands it out (dora_graph.note_write)
+            note_write(out, written, state[:3] if w_sq is None else (*state[:3], w_sq._version))
+            self.value, self.state, self.inference = out, state, inference
+            return out
         # the graph's own output buffer is the kept norm: only this graph writes it, at its next replay, which
         # records the state it computed at (a replay by the memos' path, for the same storages, writes the norm of
         # their versions then: a state that differs from this one unless the values are the same)
@@ -502,7 +502,7 @@ def _make_record(sources: tuple, scale: float, frozen: bool, value: torch.Tensor
     record.value, record.inference = value, value.is_inference()
     record.state = _OpRecord._state(weight, lora_A, lora_B)
     captured = graph is not None and graph.graph is not None and not graph.failed
-    record.graph = (graph.graph, graph.out, w_sq) if captured else None
+    record.graph = (graph.graph, graph.out, w_sq, graph.written) if captured else None
     record.graph_state = (settings(), frozen, _OpRecord._w_sq_state(weight, w_sq))
     return record
 

@@ -1183,3 +1183,63 @@ def test_dropout_node_frozen_and_zero_magnitudes_and_the_chunk_budget(monkeypatc
     with dora_settings.override(fwd_chunk_mb=4):
         _, _, _, n = _branch_step(model, big, "fp32", True, monkeypatch)
     assert n == 2
+
+
+class _StandInNormGraph:
+    """A captured norm graph on the CPU (CUDA graphs need a GPU): ``replay`` writes the norm of the tensors' current
+    values into its one output buffer, as a replay reads the captured addresses; a layer's record replays it."""
+
+    def __init__(self, weight, lora_A, lora_B, scaling):
+        import weakref
+
+        self.args, self.replays, self.graph, self.failed = (weight, lora_A, lora_B, scaling), 0, self, False
+        self.refs = tuple(weakref.ref(t) for t in (weight, lora_A, lora_B))
+        self.out, self.written = torch.empty(weight.shape[0]), [None]
+
+    def replay(self):
+        from peft.tuners.lora.dora_norm import factored_row_norm
+
+        self.replays += 1
+        self.out.data.copy_(factored_row_norm(*self.args))  # behind the version counter, as a CUDA graph writes
+
+
+def _recorded_branch_model():
+    """:func:`_branch_model` whose first DoRA Linear takes its training norms from a record of a stand-in graph."""
+    from peft.tuners.lora import dora_norm
+
+    model = _branch_model(False)
+    linear = model.base_model.model[0]
+    layer = linear.lora_magnitude_vector["default"]
+    tensors = linear.base_layer.weight, linear.lora_A["default"].weight, linear.lora_B["default"].weight
+    graph = _StandInNormGraph(*tensors, linear.scaling["default"])
+    graph.replay()
+    layer._reuse.record = dora_norm.eager_record(graph, *tensors, linear.scaling["default"], None, graph.out)
+    assert layer._reuse.record is not None
+    return model, graph, tensors
+
+
+def test_training_nodes_read_the_norm_buffer_only_while_its_weights_hold():
+    """A layer's norm graph hands its training nodes the output buffer itself (no copy per forward): two forwards
+    of unchanged weights before one backward give the gradients of copies; a forward after an in-place edit of A
+    that autograd does not see (the layer's input takes no gradient, so A is not saved) rewrites the buffer, and the
+    earlier forward's backward fails as autograd fails on an edited saved tensor instead of reading the new norm."""
+    model, graph, (weight, lora_A, lora_B) = _recorded_branch_model()
+    reference = _branch_model(False)  # the same seeded weights, norms computed afresh
+    x1, x2 = (torch.randn(5, 24, generator=torch.Generator().manual_seed(k)) for k in (1, 2))
+    d1, d2 = (torch.randn(5, 33, generator=torch.Generator().manual_seed(k)) for k in (3, 4))
+    grads = []
+    for m in (model, reference):
+        ((m(x1) * d1).sum() + (m(x2) * d2).sum()).backward()
+        grads.append([p.grad for p in m.parameters() if p.requires_grad])
+    assert graph.replays == 3  # the record replayed the graph in both forwards
+    for got, want in zip(*grads):
+        assert torch.equal(got, want)
+
+    model.zero_grad(set_to_none=True)
+    y1 = model(x1)
+    with torch.no_grad():
+        lora_A.mul_(1.5)
+    model(x2)  # replays from the edited A: the buffer y1's node holds changes
+    assert graph.replays == 5
+    with pytest.raises(RuntimeError, match="weight norm"):
+        (y1 * d1).sum().backward()

@@ -324,3 +324,47 @@ def test_training_record_under_checkpointing_is_the_eager_norm(graph_env, adapte
     for got, want in zip(with_graph, eager):
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("adapters", ["fp32_autocast", "bf16"])
+def test_norm_buffer_is_handed_out_only_while_its_weights_hold(graph_env, adapters):
+    """A layer's norm graph hands its training node the graph's output buffer itself, not a copy: two forwards of
+    unchanged weights before one backward give bitwise the gradients of eager norms (``PEFT_DORA_NORM_GRAPH=0``);
+    after an in-place edit of A that autograd does not see (the input takes no gradient, so A is not saved) a second
+    forward rewrites the buffer, and the first forward's backward fails as autograd fails on an edited saved tensor
+    instead of reading the new norm."""
+    autocast = adapters == "fp32_autocast"
+    x1, x2 = (torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    g1, g2 = (torch.randn(256, 3072, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def forward(model, x):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            return model(x)
+
+    def run(graph):
+        graph_env(None if graph else "0")
+        model = _model(torch.float32 if autocast else torch.bfloat16, seed=5)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(3):  # eager, captured, replayed from the layer's record
+            forward(model, x1).backward(g1)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        dora_graph.graph_counts.clear()
+        ((forward(model, x1) * g1).sum() + (forward(model, x2) * g2).sum()).backward()
+        assert dora_graph.graph_counts["replayed"] == (2 if graph else 0)
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        if graph:  # under the settings the record was made with
+            model.zero_grad(set_to_none=True)
+            y1 = forward(model, x1)
+            with torch.no_grad():
+                _layer(model).lora_A["default"].weight.mul_(1.5)
+            forward(model, x2)
+            assert dora_graph.graph_counts["replayed"] == 4
+            with pytest.raises(RuntimeError, match="weight norm"):
+                y1.backward(g1)
+        return grads
+
+    with_graph = run(True)
+    eager = run(False)
+    for got, want in zip(with_graph, eager):
+        assert torch.equal(got, want)

@@ -532,11 +532,13 @@ class _ReplayedNorm:
         tensors = (weight, lora_A, lora_B) if w_sq is None else (weight, lora_A, lora_B, w_sq)
         self.refs = tuple(weakref.ref(t) for t in tensors)
         self.out = torch.empty(weight.shape[0])
+        self.written = [None]  # the input versions of out's last write, as a NormGraph keeps them
 
     def replay(self):
         weight, lora_A, lora_B, scaling = self.args
         self.replays += 1
-        self.out.copy_(dora.factored_row_norm(weight, lora_A, lora_B, scaling, w_sq=self.w_sq))
+        # behind the version counter, as a CUDA graph writes
+        self.out.data.copy_(dora.factored_row_norm(weight, lora_A, lora_B, scaling, w_sq=self.w_sq))
 
 
 def test_eager_training_record_replays_and_is_never_stale(norm_cache):
