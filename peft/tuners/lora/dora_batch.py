@@ -15,7 +15,7 @@
 (``PEFT_DORA_NORM_BATCH=1``; off by default until it is measured on GPUs).
 
 A training forward computes each DoRA Linear's norm afresh (W, A and B may have changed in ways no version counter
-shows, e.g. ``p.data -= lr * p.grad``): on a GPU one graph replay and one copy per module and forward, with the
+shows, e.g. ``p.data -= lr * p.grad``): on a GPU one graph replay per module and forward, with the
 checks around them, host time that small steps pay in full. With the batch on, the first of a device's members to
 ask in a forward pass (the leader) computes the norms of all members at once (one CUDA graph replay and one copy for
 all of them; eagerly on a CPU) and leaves each of the others its value. A member takes its value once, and only if it
