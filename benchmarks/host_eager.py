@@ -12,7 +12,9 @@ AdamW), ``eval`` an eval forward without autograd; ``--autocast`` keeps the adap
 base and runs the step under bf16 autocast (the grid's autocast mode; the QLoRA recipe on NF4). LoRA and DoRA
 alternate in one process, ``--rounds`` rounds of ``--calls`` calls; the record keeps each round and the medians in µs
 per module, DoRA's extra over LoRA's, the ATen ops one call dispatches per module (a count that does not drift with
-the host), and the tiers DoRA ran.
+the host), and the tiers DoRA ran. ``--graphs`` sends training norms down the GPU's path (a norm graph per layer,
+replayed as a no-op through the layer's record; without it the CPU computes each norm eagerly, a path no GPU
+training step takes once its graphs are captured).
 
     python benchmarks/host_eager.py --measure train --tiers fused --out benchmarks/results/profile/host_eager.json
 
@@ -80,6 +82,36 @@ def _stub_launches() -> None:
     from peft.tuners.lora import dora_launch
 
     dora_launch.Launcher.launch = lambda self, grid, args, meta: None
+
+
+class _NoOpGraph:
+    """A captured CUDA graph whose replay does nothing: the host's part of a replay without the GPU's."""
+
+    def replay(self) -> None:
+        pass
+
+
+def _emulate_norm_graphs() -> None:
+    """``--graphs``: training norms take the GPU's path on the CPU: a layer's norm graph is "captured" on its second
+    call for the same tensors (``compute()`` once, its result kept as the graph's output buffer) and replayed as a
+    no-op from then on, through the layer's record (``dora_norm.eager_record``) as on a GPU. The norms are not
+    recomputed after an optimizer step, so outputs are not DoRA's: only the host work of the GPU's path is timed
+    (without the driver's launch of the graph, the same in every build). Patches what every build since the record
+    has (``dora_norm.norm_graph_applies``, ``dora_graph.NormGraph._capture``)."""
+    from peft.tuners.lora import dora_graph, dora_norm, dora_settings
+
+    def applies(weight, lora_A, lora_B) -> bool:
+        env = dora_settings.current()
+        return env.norm_graph is not False and env.fused is not False and not torch.compiler.is_compiling()
+
+    def capture(self, device, compute):
+        out = compute()
+        self.graph, self.out = _NoOpGraph(), out
+        dora_graph.graph_counts["captured"] += 1
+        return out.clone()  # what a build that copies returns here; a build that hands out the buffer returns out
+
+    dora_norm.norm_graph_applies = applies
+    dora_graph.NormGraph._capture = capture
 
 
 def _step_fn(args, model):
@@ -164,6 +196,8 @@ def run(args) -> dict:
 
     if args.tiers == "fused":
         _stub_launches()
+    if args.graphs:
+        _emulate_norm_graphs()
     if args.probe == "norm-once":
         _norm_once()
     torch.set_num_threads(1)
@@ -173,7 +207,11 @@ def run(args) -> dict:
         for _ in range(3):
             fn(x)
     dora_dispatch.tier_counts.clear()
+    from peft.tuners.lora import dora_graph
+
+    dora_graph.graph_counts.clear()
     rounds, med = alternate(fns, x, args.calls, args.modules, args.rounds)
+    replays = dora_graph.graph_counts["replayed"]
     ops = {kind: ops_per_module(fn, x, args.modules) for kind, fn in fns.items()}
     return {
         "aten_ops_per_module": ops,
@@ -182,6 +220,7 @@ def run(args) -> dict:
         "dora_extra_us_per_module": round(med["dora"] - med["lora"], 2),
         "dora_over_lora": round(med["dora"] / med["lora"], 4),
         "tiers": dict(dora_dispatch.tier_counts),
+        "norm_graph_replays": replays,  # with --graphs: one per DoRA module and step (through its record)
     }
 
 
@@ -211,6 +250,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--dropout", type=float, default=0.0, help="lora_dropout (LoRA's and DoRA's)")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="training norms take the GPU's path: norm graphs captured and replayed as no-ops, through the layer's "
+        "record (outputs are not DoRA's; see _emulate_norm_graphs)",
+    )
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument(

@@ -44,6 +44,17 @@ def test_fused_dropout_training_takes_the_node(tmp_path):
     assert dropped["dora"] - dropped["lora"] <= plain["dora"] - plain["lora"] + 6, (plain, dropped)
 
 
+def test_graphs_take_the_gpu_norm_path(tmp_path):
+    """``--graphs``: a training norm is "captured" and replayed as a no-op through the layer's record, as on a GPU,
+    once per module and step (the recompute takes the forward's norm back): fewer ops than computing it eagerly."""
+    pytest.importorskip("triton")
+    eager_norms = _run(tmp_path, "--measure", "train", "--tiers", "fused")
+    doc = _run(tmp_path, "--measure", "train", "--tiers", "fused", "--graphs")
+    assert eager_norms["norm_graph_replays"] == 0
+    assert doc["norm_graph_replays"] == 3 * 2 * doc["config"]["calls"]  # modules x rounds x calls
+    assert doc["aten_ops_per_module"]["dora"] < eager_norms["aten_ops_per_module"]["dora"]
+
+
 def test_eager_eval_tiers(tmp_path):
     doc = _run(tmp_path, "--measure", "eval", "--tiers", "eager")
     assert set(doc["tiers"]) == {"eager"}, doc["tiers"]
