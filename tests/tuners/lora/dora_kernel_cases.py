@@ -399,18 +399,12 @@ def test_small_eval_forward_reuses_its_factors(dora_switches, dora_env, monkeypa
     off here for the other path) or two in-place PyTorch ops on the LoRA output, with g and (1 − g)·bias kept from
     the first forward. Agrees with the eager tier like the kernel does, never goes stale, and steps aside for large
     inputs, training mode and PEFT_DORA_FUSED=0."""
-    from torch import nn
-
-    from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import dora
 
     dora_switches(decode_kernels=path == "decode")
     tier = dora.TIER_DECODE if path == "decode" else dora.TIER_SMALL_FORWARD
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
-    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
-    peft_model = get_peft_model(model, config).to(dtype).eval()
+    peft_model = small_dora_model().to(dtype)
     x = torch.randn(2, 3, 24).to(dtype)
 
     def eager():
