@@ -133,7 +133,9 @@ class NormGraph:
         return self._handed_out(tensors)
 
     def _handed_out(self, tensors) -> torch.Tensor:
-        if self.copies:
+        if self.copies or self.out.is_inference():
+            # an inference tensor (captured under torch.inference_mode) has no version counter for a training node to
+            # check, and outside inference mode autograd may not record it: its copy is an ordinary tensor
             return self.out.clone()
         note_write(self.out, self.written, versions(tensors))
         return self.out

@@ -460,9 +460,13 @@ class _OpRecord:
         graph_counts["replayed"] += 1
         inference = torch.is_inference_mode_enabled()
         if eager:  # the graph's output buffer itself, as the layer's graph hands it out (dora_graph.note_write)
-            note_write(out, written, state[:3] if w_sq is None else (*state[:3], w_sq._version))
-            self.value, self.state, self.inference = out, state, inference
-            return out
+            if out.is_inference():  # captured under inference mode: a copy, as NormGraph hands it out
+                value = out.clone()
+            else:
+                note_write(out, written, state[:3] if w_sq is None else (*state[:3], w_sq._version))
+                value = out
+            self.value, self.state, self.inference = value, state, inference
+            return value
         # the graph's own output buffer is the kept norm: only this graph writes it, at its next replay, which
         # records the state it computed at (a replay by the memos' path, for the same storages, writes the norm of
         # their versions then: a state that differs from this one unless the values are the same)

@@ -1183,29 +1183,37 @@ class _StandInNormGraph:
     """A captured norm graph on the CPU (CUDA graphs need a GPU): ``replay`` writes the norm of the tensors' current
     values into its one output buffer, as a replay reads the captured addresses; a layer's record replays it."""
 
-    def __init__(self, weight, lora_A, lora_B, scaling):
+    def __init__(self, weight, lora_A, lora_B, scaling, inference=False):
         import weakref
 
         self.args, self.replays, self.graph, self.failed = (weight, lora_A, lora_B, scaling), 0, self, False
         self.refs = tuple(weakref.ref(t) for t in (weight, lora_A, lora_B))
-        self.out, self.written = torch.empty(weight.shape[0]), [None]
+        with torch.inference_mode(inference):  # ``inference``: captured under torch.inference_mode
+            self.out = torch.empty(weight.shape[0])
+        self.written = [None]
 
     def replay(self):
         from peft.tuners.lora.dora_norm import factored_row_norm
 
         self.replays += 1
-        self.out.data.copy_(factored_row_norm(*self.args))  # behind the version counter, as a CUDA graph writes
+        norm = factored_row_norm(*self.args)
+        if self.out.is_inference():
+            with torch.inference_mode():
+                self.out.copy_(norm)
+        else:
+            self.out.data.copy_(norm)  # behind the version counter, as a CUDA graph writes
 
 
-def _recorded_branch_model():
-    """:func:`_branch_model` whose first DoRA Linear takes its training norms from a record of a stand-in graph."""
+def _recorded_branch_model(inference=False):
+    """:func:`_branch_model` whose first DoRA Linear takes its training norms from a record of a stand-in graph
+    (``inference``: one captured under torch.inference_mode, whose buffer is an inference tensor)."""
     from peft.tuners.lora import dora_norm
 
     model = _branch_model(False)
     linear = model.base_model.model[0]
     layer = linear.lora_magnitude_vector["default"]
     tensors = linear.base_layer.weight, linear.lora_A["default"].weight, linear.lora_B["default"].weight
-    graph = _StandInNormGraph(*tensors, linear.scaling["default"])
+    graph = _StandInNormGraph(*tensors, linear.scaling["default"], inference)
     graph.replay()
     layer._reuse.record = dora_norm.eager_record(graph, *tensors, linear.scaling["default"], None, graph.out)
     assert layer._reuse.record is not None
@@ -1237,3 +1245,21 @@ def test_training_nodes_read_the_norm_buffer_only_while_its_weights_hold():
     assert graph.replays == 5
     with pytest.raises(RuntimeError, match="weight norm"):
         (y1 * d1).sum().backward()
+
+
+def test_a_norm_graph_captured_under_inference_mode_trains_from_copies():
+    """A training-mode model first called under torch.inference_mode captures its norm graph there: the buffer is an
+    inference tensor, which has no version counter and which autograd may not record outside inference mode. Its
+    training forwards take copies of it (ordinary tensors), and train as a model without the record does."""
+    model, graph, _ = _recorded_branch_model(inference=True)
+    assert graph.out.is_inference()
+    reference = _branch_model(False)
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1))
+    d_y = torch.randn(5, 33, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for m in (model, reference):
+        (m(x) * d_y).sum().backward()
+        grads.append([p.grad for p in m.parameters() if p.requires_grad])
+    assert graph.replays == 2
+    for got, want in zip(*grads):
+        assert torch.equal(got, want)

@@ -368,3 +368,33 @@ def test_norm_buffer_is_handed_out_only_while_its_weights_hold(graph_env, adapte
     eager = run(False)
     for got, want in zip(with_graph, eager):
         assert torch.equal(got, want)
+
+
+def test_graph_captured_under_inference_mode_then_trained(graph_env):
+    """A training-mode model called under torch.inference_mode first (an evaluation without ``eval()``) captures its
+    norm graph there, so the graph's buffer is an inference tensor; the training steps after it take ordinary copies
+    of it and give bitwise the gradients of eager norms (``PEFT_DORA_NORM_GRAPH=0``)."""
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    gy = torch.randn(256, 3072, device="cuda", dtype=torch.bfloat16)
+
+    def run(graph):
+        graph_env(None if graph else "0")
+        model = _model(torch.bfloat16, seed=7)
+        with torch.inference_mode():
+            for _ in range(3):  # eager, captured, replayed
+                model(x)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        grads = []
+        for _ in range(3):
+            model(x).backward(gy)
+            grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return grads
+
+    dora_graph.graph_counts.clear()
+    with_graph = run(True)
+    assert dora_graph.graph_counts["captured"] >= 1
+    for got, want in zip(with_graph, run(False)):
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)

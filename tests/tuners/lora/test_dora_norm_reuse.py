@@ -591,3 +591,28 @@ def test_eager_training_record_replays_and_is_never_stale(norm_cache):
     assert layer._reuse.record is None
     norm_cache("1")  # the record does not follow PEFT_DORA_NORM_CACHE's reuse rules: none is made there
     assert dora_norm.eager_record(graph, weight, lora_A, lora_B, scaling, w_sq, graph.out) is None
+
+
+def test_norm_graph_hands_out_its_buffer_and_copies_of_an_inference_one():
+    """``dora_graph.NormGraph`` hands out its output buffer itself, bumping its version only when a replay was from
+    other input versions than the last write; a buffer captured under torch.inference_mode (an inference tensor: no
+    version counter) goes out as an ordinary copy; the compile op's ``StorageNormGraph`` always copies."""
+    from peft.tuners.lora import dora_graph
+
+    a, b = torch.randn(3, 4), torch.randn(5, 3)
+    graph = dora_graph.NormGraph()
+    graph.out = torch.randn(5)
+    assert graph._handed_out((a, b)) is graph.out
+    version = graph.out._version
+    assert graph._handed_out((a, b)) is graph.out and graph.out._version == version  # same inputs: same values
+    with torch.no_grad():
+        a.mul_(2)
+    graph._handed_out((a, b))
+    assert graph.out._version == version + 1  # rewritten from an edited input
+    with torch.inference_mode():
+        graph.out = torch.randn(5)
+    copy = graph._handed_out((a, b))
+    assert copy is not graph.out and not copy.is_inference() and torch.equal(copy, graph.out)
+    storage = dora_graph.StorageNormGraph()
+    storage.out = torch.randn(5)
+    assert storage._handed_out((a, b)) is not storage.out
