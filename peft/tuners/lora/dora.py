@@ -1232,10 +1232,7 @@ def _small_tensors(layer: nn.Module, base_layer: nn.Module, plain: tuple) -> Opt
     if type(base_layer) is nn.Linear and type(weight) is nn.Parameter:
         sources = (weight,)
     elif type(weight).__name__ == "Params4bit" and weight.quant_state is not None:
-        state = weight.quant_state
-        sources = (weight, state.absmax)
-        if state.nested:
-            sources += (state.state2.absmax, state.state2.code)
+        sources = dora_quant.four_bit_sources(weight)
     else:
         return None
     return (*sources, *plain, magnitude) + (() if bias is None else (bias,))

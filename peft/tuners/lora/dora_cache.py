@@ -126,11 +126,7 @@ class Memo:
         # without __torch_function__: bitsandbytes' Params4bit has a Python one, which made every attribute read here
         # a Python call (a QDoRA forward's key cost ~4x a plain one's); the values are the same
         with _NO_TORCH_FUNCTION():
-            return (
-                self.epoch[0],
-                extra,
-                [(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors],
-            )
+            return self.epoch[0], extra, tensor_keys(tensors)
 
     def get(self, tensors, extra=()) -> Optional[torch.Tensor]:
         if self.value is None or not same_objects(self.refs, tensors):
@@ -282,7 +278,7 @@ class SmallRecord:
         self.refs = tuple(weakref.ref(t) for t in tensors)
         # a bitsandbytes weight (Params4bit) has a Python __torch_function__: its key is read without it
         self.plain = all(type(t) is nn.Parameter for t in tensors)
-        self.key = small_key(tensors, self.plain)
+        self.key = tensor_keys(tensors, self.plain)
         self.state, self.scaled_b, self.bias_term, self.g = state, scaled_b, bias_term, g
         self.cached = cached  # DoraCaching's norm it was made with (held: its identity is what the caller compares)
         # an inference tensor answers only in inference mode (as ``reused``'s do)
@@ -290,23 +286,20 @@ class SmallRecord:
 
     def holds(self, tensors, state: tuple) -> bool:
         """Whether the record answers for these tensors (the same objects, unchanged) and this state."""
-        refs = self.refs
-        if len(refs) != len(tensors) or state != self.state:
+        if state != self.state or not same_objects(self.refs, tensors):
             return False
-        for ref, t in zip(refs, tensors):
-            if ref() is not t:
-                return False
         if self.inference and not torch.is_inference_mode_enabled():
             return False
-        return small_key(tensors, self.plain) == self.key
+        return tensor_keys(tensors, self.plain) == self.key
 
 
-def small_key(tensors, plain: bool = True) -> list:
-    """What :class:`SmallRecord` compares: :class:`Memo`'s key of each tensor (``plain``: all of them
-    ``nn.Parameter``, whose reads need not switch off ``__torch_function__``)."""
+def tensor_keys(tensors, plain: bool = True) -> list:
+    """Each tensor's data pointer, version counter, layout, dtype and device: what :class:`Memo` and
+    :class:`SmallRecord` compare (``plain``: all of them ``nn.Parameter``, whose reads need not switch off
+    ``__torch_function__``; a caller that has switched it off passes True)."""
     if not plain:
         with _NO_TORCH_FUNCTION():
-            return small_key(tensors)
+            return tensor_keys(tensors)
     return [(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors]
 
 

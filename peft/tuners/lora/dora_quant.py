@@ -62,6 +62,16 @@ def quantized_kind(weight) -> Optional[str]:
     return None
 
 
+def four_bit_sources(param: torch.Tensor) -> tuple:
+    """What a bitsandbytes 4-bit weight's rows dequantize from: the packed parameter and its scales, and under double
+    quantization the scales' own scales and code."""
+    state = param.quant_state
+    sources = (param, state.absmax)
+    if state.nested:
+        sources += (state.state2.absmax, state.state2.code)
+    return sources
+
+
 class QuantizedWeight:
     """A bitsandbytes base layer's weight as the DoRA norm reads it: ``[d_out, d_in]`` of ``dtype`` (the dequantized
     dtype: the 4-bit state's, fp32 for LLM.int8 as upstream dequantizes it), never materialised whole.
@@ -89,9 +99,7 @@ class QuantizedWeight:
             # bitsandbytes' CPU inference on AVX512-BF16 repacks the weight in place (``packing_format_for_cpu``);
             # its dtype then says bf16, the dtype it had before is the one the rows dequantize into
             self.dtype = state.original_dtype if _cpu_packed(state) else state.dtype
-            self.sources = (param, state.absmax)
-            if state.nested:  # double quantization: the scales' own scales and code are read too
-                self.sources += (state.state2.absmax, state.state2.code)
+            self.sources = four_bit_sources(param)
         else:
             scb = _int8_scales(layer, param)
             self.shape, self.dtype = param.shape, torch.float32
