@@ -192,7 +192,7 @@ def first_norm_kept(fresh):
 
 
 def run(args) -> dict:
-    from peft.tuners.lora import dora_dispatch
+    from peft.tuners.lora import dora_dispatch, dora_graph
 
     if args.tiers == "fused":
         _stub_launches()
@@ -207,8 +207,6 @@ def run(args) -> dict:
         for _ in range(3):
             fn(x)
     dora_dispatch.tier_counts.clear()
-    from peft.tuners.lora import dora_graph
-
     dora_graph.graph_counts.clear()
     rounds, med = alternate(fns, x, args.calls, args.modules, args.rounds)
     replays = dora_graph.graph_counts["replayed"]

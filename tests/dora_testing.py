@@ -159,3 +159,32 @@ class BnbNet(nn.Module):
 
     def forward(self, x):
         return self.down(self.norm(self.up(x)))
+
+
+class StandInNormGraph:
+    """A captured norm graph on the CPU (CUDA graphs need a GPU) for a layer's record (``dora_norm.eager_record``):
+    ``replay`` writes the norm of the tensors' current values (with ``w_sq`` as the kept ``||W||²``, which it then
+    reads too) into its one output buffer behind the buffer's version counter, as a replay reads the captured
+    addresses; ``inference``: captured under torch.inference_mode, so the buffer is an inference tensor."""
+
+    def __init__(self, weight, lora_A, lora_B, scaling, w_sq=None, inference=False):
+        import weakref
+
+        self.args, self.w_sq, self.replays = (weight, lora_A, lora_B, scaling), w_sq, 0
+        self.graph, self.failed = self, False
+        tensors = (weight, lora_A, lora_B) if w_sq is None else (weight, lora_A, lora_B, w_sq)
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+        with torch.inference_mode(inference):
+            self.out = torch.empty(weight.shape[0])
+        self.written = [None]  # the input versions of out's last write, as a NormGraph keeps them
+
+    def replay(self):
+        from peft.tuners.lora.dora_norm import factored_row_norm
+
+        self.replays += 1
+        norm = factored_row_norm(*self.args, w_sq=self.w_sq)
+        if self.out.is_inference():
+            with torch.inference_mode():
+                self.out.copy_(norm)
+        else:
+            self.out.data.copy_(norm)

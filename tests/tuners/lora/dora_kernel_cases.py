@@ -6,7 +6,7 @@ Run directly: TRITON_INTERPRET=1 python -m pytest tests/tuners/lora/dora_kernel_
 
 import pytest
 import torch
-from dora_testing import assert_close
+from dora_testing import StandInNormGraph, assert_close
 
 from peft.tuners.lora import dora_dispatch as dispatch
 from peft.tuners.lora import dora_fused as F
@@ -1179,31 +1179,6 @@ def test_dropout_node_frozen_and_zero_magnitudes_and_the_chunk_budget(monkeypatc
     assert n == 2
 
 
-class _StandInNormGraph:
-    """A captured norm graph on the CPU (CUDA graphs need a GPU): ``replay`` writes the norm of the tensors' current
-    values into its one output buffer, as a replay reads the captured addresses; a layer's record replays it."""
-
-    def __init__(self, weight, lora_A, lora_B, scaling, inference=False):
-        import weakref
-
-        self.args, self.replays, self.graph, self.failed = (weight, lora_A, lora_B, scaling), 0, self, False
-        self.refs = tuple(weakref.ref(t) for t in (weight, lora_A, lora_B))
-        with torch.inference_mode(inference):  # ``inference``: captured under torch.inference_mode
-            self.out = torch.empty(weight.shape[0])
-        self.written = [None]
-
-    def replay(self):
-        from peft.tuners.lora.dora_norm import factored_row_norm
-
-        self.replays += 1
-        norm = factored_row_norm(*self.args)
-        if self.out.is_inference():
-            with torch.inference_mode():
-                self.out.copy_(norm)
-        else:
-            self.out.data.copy_(norm)  # behind the version counter, as a CUDA graph writes
-
-
 def _recorded_branch_model(inference=False):
     """:func:`_branch_model` whose first DoRA Linear takes its training norms from a record of a stand-in graph
     (``inference``: one captured under torch.inference_mode, whose buffer is an inference tensor)."""
@@ -1213,7 +1188,7 @@ def _recorded_branch_model(inference=False):
     linear = model.base_model.model[0]
     layer = linear.lora_magnitude_vector["default"]
     tensors = linear.base_layer.weight, linear.lora_A["default"].weight, linear.lora_B["default"].weight
-    graph = _StandInNormGraph(*tensors, linear.scaling["default"], inference)
+    graph = StandInNormGraph(*tensors, linear.scaling["default"], inference=inference)
     graph.replay()
     layer._reuse.record = dora_norm.eager_record(graph, *tensors, linear.scaling["default"], None, graph.out)
     assert layer._reuse.record is not None

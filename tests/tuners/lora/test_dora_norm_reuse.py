@@ -9,11 +9,10 @@ and no optimizer step or merge happened. ``0``: never.
 import copy
 import io
 import warnings
-import weakref
 
 import pytest
 import torch
-from dora_testing import assert_close
+from dora_testing import StandInNormGraph, assert_close
 from test_dora_parity import build
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -522,25 +521,6 @@ def _walk(module):
     return module
 
 
-class _ReplayedNorm:
-    """A stand-in for a captured norm graph on the CPU (CUDA graphs need a GPU): ``replay`` writes the layer's
-    norm of the tensors' current values into ``out``, as a replay reads the captured addresses."""
-
-    def __init__(self, layer, weight, lora_A, lora_B, scaling, w_sq):
-        self.layer, self.args, self.w_sq, self.replays = layer, (weight, lora_A, lora_B, scaling), w_sq, 0
-        self.graph, self.failed = self, False
-        tensors = (weight, lora_A, lora_B) if w_sq is None else (weight, lora_A, lora_B, w_sq)
-        self.refs = tuple(weakref.ref(t) for t in tensors)
-        self.out = torch.empty(weight.shape[0])
-        self.written = [None]  # the input versions of out's last write, as a NormGraph keeps them
-
-    def replay(self):
-        weight, lora_A, lora_B, scaling = self.args
-        self.replays += 1
-        # behind the version counter, as a CUDA graph writes
-        self.out.data.copy_(dora.factored_row_norm(weight, lora_A, lora_B, scaling, w_sq=self.w_sq))
-
-
 def test_eager_training_record_replays_and_is_never_stale(norm_cache):
     """``dora_norm.eager_record`` (made on a GPU once a layer's norm graph is captured): training forwards replay
     the graph after its checks and the checkpoint recompute takes the forward's norm back; an optimizer step, an
@@ -556,7 +536,7 @@ def test_eager_training_record_replays_and_is_never_stale(norm_cache):
     weight, lora_A, lora_B = linear.base_layer.weight, linear.lora_A["default"].weight, linear.lora_B["default"].weight
     scaling = linear.scaling["default"]
     w_sq = dora_norm.row_sq_norm(weight)
-    graph = _ReplayedNorm(layer, weight, lora_A, lora_B, scaling, w_sq)
+    graph = StandInNormGraph(weight, lora_A, lora_B, scaling, w_sq)
     graph.replay()
     record = dora_norm.eager_record(graph, weight, lora_A, lora_B, scaling, w_sq, graph.out.clone())
     assert record is not None
