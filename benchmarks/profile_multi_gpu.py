@@ -10,7 +10,8 @@ AdamW steps (CUDA events, the slowest process) and profiles one step on process 
 NCCL, Triton, elementwise), the busiest kernels, the busiest host ops, and the GPU busy time of the compute stream
 against the step's wall time (what is left is waiting: for an all-gather, for the host).
 
-Variants: ``lora`` (``use_dora=False``), ``ours`` (defaults), ``ours_whole_norm`` (``PEFT_DORA_SHARDED_NORM=0``:
+Variants: ``lora`` (``use_dora=False``), ``ours`` (defaults; ``ours@PEFT_DORA_X=v@...`` with those settings),
+``ours_whole_norm`` (``PEFT_DORA_SHARDED_NORM=0``:
 every rank computes the whole norm from the gathered W, the sharded norm's all-gather off), ``ours_own_group`` (the
 sharded norm's all-gather on a communicator of its own: NCCL runs one communicator's collectives in order, so on
 FSDP2's it queues with the parameter all-gathers and gradient reduce-scatters), ``ours_eager``
@@ -36,6 +37,7 @@ import bench_multi_gpu as bmg  # noqa: E402
 import model_worker as mw  # noqa: E402
 import multi_gpu_worker as mgw  # noqa: E402
 from profile_step import top  # noqa: E402
+from timing import python_hotspots  # noqa: E402
 
 
 VARIANTS = ("lora", "ours", "ours_whole_norm", "ours_own_group", "ours_eager")
@@ -43,15 +45,123 @@ VARIANT_ENV = ("PEFT_DORA_FUSED", "PEFT_DORA_SHARDED_NORM")  # what a variant se
 _OWN_GROUP = []
 
 
-def profile_step(step, steps: int) -> dict:
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # runtime launches (PyTorch, cuBLAS) and driver ones (Triton's)
+
+
+def _covering(spans: list, t: float) -> list:
+    """The names of the spans (``(ts, end, name)``, sorted by ``ts``) that cover time ``t``, outermost first."""
+    return [name for ts, end, name in spans if ts <= t <= end]
+
+
+def compute_gaps(trace: dict, steps: int, min_us: float = 2.0) -> dict:
+    """Where the compute stream (the stream with the most non-NCCL kernel time) sits idle, per step, from a Chrome
+    trace of the profiler: each gap between two of its kernels is **host** time where the next kernel's launch call
+    ended after the previous kernel (the GPU waited for the host to issue it), and **wait** time otherwise (the
+    kernel was queued and waited on another stream: a collective, a copy). A wait is named by the kernel of another
+    stream that ended last before the kernel started (``stream:name``); host time by the innermost host op that was
+    running on the launching thread in the middle of the gap, and, where the trace has Python frames
+    (``with_stack``), by the innermost frame and by the innermost frame of this package (``peft/...``). Launches are
+    the runtime's and the driver's (Triton launches through the driver API: without those a late Triton kernel reads
+    as a wait). Gaps under ``min_us`` are launch latency and left out."""
+    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    launches = {
+        e["args"]["correlation"]: (e["ts"] + e.get("dur", 0), e.get("tid"))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})
+    }
+    ops: dict = {}
+    frames: dict = {}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        table = ops if e.get("cat") == "cpu_op" else frames if e.get("cat") == "python_function" else None
+        if table is not None:
+            table.setdefault(e.get("tid"), []).append((e["ts"], e["ts"] + e.get("dur", 0), e["name"][:90]))
+    for table in (ops, frames):
+        for spans in table.values():
+            spans.sort()
+    busy: dict = {}
+    for k in kernels:
+        if "nccl" not in k["name"].lower():
+            busy[k["args"].get("stream")] = busy.get(k["args"].get("stream"), 0.0) + k.get("dur", 0)
+    if not busy:
+        return {}
+    stream = max(busy, key=busy.get)
+    mine = sorted((k for k in kernels if k["args"].get("stream") == stream), key=lambda k: k["ts"])
+    others = sorted(
+        (k["ts"] + k.get("dur", 0), f"{k['args'].get('stream')}:{k['name'][:60]}")
+        for k in kernels
+        if k["args"].get("stream") != stream
+    )
+    host = wait = 0.0
+    waits: dict = {}
+    by_op: dict = {}
+    by_frame: dict = {}
+    by_our_frame: dict = {}
+    for prev, nxt in zip(mine, mine[1:]):
+        end = prev["ts"] + prev.get("dur", 0)
+        gap = nxt["ts"] - end
+        if gap < min_us:
+            continue
+        issued, tid = launches.get(nxt["args"].get("correlation"), (None, None))
+        late = 0.0 if issued is None else min(gap, max(0.0, issued - end))
+        if late > 0:
+            host += late
+            mid = end + late / 2
+            inner = _covering(ops.get(tid, []), mid)
+            label = inner[-1] if inner else "(no host op)"
+            by_op[label] = by_op.get(label, 0.0) + late
+            chain = _covering(frames.get(tid, []), mid)
+            if chain:
+                by_frame[chain[-1]] = by_frame.get(chain[-1], 0.0) + late
+                ours = [f for f in chain if "peft/" in f]
+                label = ours[-1] if ours else "(none of peft)"
+                by_our_frame[label] = by_our_frame.get(label, 0.0) + late
+        rest = gap - late
+        if rest >= min_us:
+            wait += rest
+            before = [name for t, name in others if end <= t <= nxt["ts"] + 1]
+            label = before[-1] if before else "(nothing ended on another stream)"
+            waits[label] = waits.get(label, 0.0) + rest
+    span = (mine[-1]["ts"] + mine[-1].get("dur", 0) - mine[0]["ts"]) if mine else 0.0
+    ms = 1000.0 * steps
+
+    def ranked(table: dict, n: int = 10) -> dict:
+        return {k: round(v / ms, 3) for k, v in sorted(table.items(), key=lambda kv: -kv[1])[:n]}
+
+    return {
+        "stream": stream,
+        "span_ms": round(span / ms, 3),
+        "busy_ms": round(busy[stream] / ms, 3),
+        "idle_waiting_for_host_ms": round(host / ms, 3),
+        "idle_waiting_on_other_streams_ms": round(wait / ms, 3),
+        "waits_by_kernel_ms": ranked(waits),
+        "host_gaps_by_op_ms": ranked(by_op),
+        "host_gaps_by_frame_ms": ranked(by_frame),
+        "host_gaps_by_peft_frame_ms": ranked(by_our_frame),
+    }
+
+
+def profile_step(step, steps: int, stack: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, with_stack=stack) as prof:
         for _ in range(steps):
             step()
         if cuda:
             torch.cuda.synchronize()
+    gaps = {}
+    if cuda:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                gaps = compute_gaps(json.load(f), steps)
     classes = {}
     for e in prof.key_averages():
         if e.device_type.name == "CUDA":
@@ -69,6 +179,7 @@ def profile_step(step, steps: int) -> dict:
         "busy_ms_per_stream": {k: round(v, 3) for k, v in sorted(busy.items())},
         "kernels": top(prof, steps, device=True, n=25),
         "host": top(prof, steps, device=False),
+        "compute_gaps": gaps,
     }
 
 
@@ -77,11 +188,27 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_variant(variant: str, spec: dict, rank: int, device, mesh, world: int, proc: int, steps: int) -> dict:
+def run_variant(
+    variant: str,
+    spec: dict,
+    rank: int,
+    device,
+    mesh,
+    world: int,
+    proc: int,
+    steps: int,
+    stack: bool = False,
+    pystats: bool = False,
+) -> dict:
     from peft.tuners.lora import dora, dora_dist
 
-    for name in VARIANT_ENV:
+    name_env = variant.split("@")  # "ours@PEFT_DORA_X=0@...": ours with those settings
+    variant, extra_env = name_env[0], dict(kv.split("=", 1) for kv in name_env[1:])
+    if extra_env and (variant != "ours" or any(not k.startswith("PEFT_DORA_") for k in extra_env)):
+        raise SystemExit(f"{'@'.join(name_env)}: only ours takes settings, and only PEFT_DORA_* ones")
+    for name in VARIANT_ENV + tuple(extra_env):
         os.environ.pop(name, None)
+    os.environ.update(extra_env)
     if variant == "ours_eager":
         os.environ["PEFT_DORA_FUSED"] = "0"
     elif variant == "ours_whole_norm":  # as users switch it
@@ -98,6 +225,7 @@ def run_variant(variant: str, spec: dict, rank: int, device, mesh, world: int, p
 
         dora_dist._row_group = own
     try:
+        label = "@".join(name_env)
         spec = dict(spec, impl={"name": variant, "dora": variant != "lora"})
         model = mgw.build_wrapped(spec, rank, device, mesh)
         model.train()
@@ -107,17 +235,28 @@ def run_variant(variant: str, spec: dict, rank: int, device, mesh, world: int, p
             model, opt = mgw.deepspeed_engine(model, opt, spec)
         data = mgw.batches(dict(spec, warmup=0, steps=1), world, proc, device)[0]
 
+        phases = []  # host issue time of each timed step's forward, backward and optimizer step (no sync between)
+
         def step():
+            t0 = time.perf_counter()
             if zero:  # the engine's backward and step (which zeroes the gradients), as the benchmark trains
-                model.backward(model(input_ids=data, labels=data, use_cache=False).loss)
+                loss = model(input_ids=data, labels=data, use_cache=False).loss
+                t1 = time.perf_counter()
+                model.backward(loss)
+                t2 = time.perf_counter()
                 model.step()
-                return
-            opt.zero_grad(set_to_none=True)
-            model(input_ids=data, labels=data, use_cache=False).loss.backward()
-            opt.step()
+            else:
+                opt.zero_grad(set_to_none=True)
+                loss = model(input_ids=data, labels=data, use_cache=False).loss
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                opt.step()
+            phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
 
         for _ in range(3):
             step()
+        del phases[:]
         times = []
         for _ in range(steps):
             _sync(device)
@@ -127,16 +266,23 @@ def run_variant(variant: str, spec: dict, rank: int, device, mesh, world: int, p
             times.append((time.perf_counter() - t0) * 1000.0)
         t = torch.tensor(times, device=device, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out = {"variant": variant, "rank": rank, "median_ms": statistics.median(t.tolist()), "samples_ms": t.tolist()}
-        prof = profile_step(step, 2)
+        out = {"variant": label, "rank": rank, "median_ms": statistics.median(t.tolist()), "samples_ms": t.tolist()}
+        host = {
+            name: round(statistics.median(p[i] for p in phases) * 1000.0, 3)
+            for i, name in enumerate(("forward", "backward", "optimizer"))
+        }
+        hot = python_hotspots(step, calls=2, top=25, under="peft") if pystats else None
+        prof = profile_step(step, 2, stack)
+        every = [None] * world  # each process's compute-stream gaps: a wait on one is often the host of another
+        dist.all_gather_object(every, {"host_issue_ms": host, "compute_gaps": prof["compute_gaps"], "python": hot})
         if proc == 0:
-            out["profile"] = prof
+            out["profile"] = dict(prof, per_process=every)
         model = opt = step = None  # the closure's cells too: the model's memory goes before the next variant
         mw.release()
         return out
     finally:
         dora_dist._row_group = row_group
-        for name in VARIANT_ENV:
+        for name in VARIANT_ENV + tuple(extra_env):
             os.environ.pop(name, None)
 
 
@@ -151,6 +297,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, a smoke run")
     p.add_argument("--engine", default="fsdp2", choices=list(mgw.ENGINES), help="as the benchmark's --engine")
     p.add_argument("--precision", default="bf16", choices=("bf16", "mp"), help="as the benchmark's --precision")
+    p.add_argument("--stack", action="store_true", help="Python frames in the profile: host gaps named by function")
+    p.add_argument("--pystats", action="store_true", help="cProfile two steps per process (benchmarks/timing.py)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     cfg = bmg.resolve_config(bmg.parse_args(["--shape", args.shape, "--layers", str(args.layers), "--seq",
@@ -162,11 +310,12 @@ def main() -> int:
     device, mesh, world, proc = mgw.setup(spec)
     results = []
     for variant in args.variants.split(","):
-        rec = run_variant(variant, spec, args.rank, device, mesh, world, proc, args.steps)
+        rec = run_variant(variant, spec, args.rank, device, mesh, world, proc, args.steps, args.stack, args.pystats)
         results.append(rec)
         if proc == 0:
-            print(f"{variant}: {rec['median_ms']:.2f} ms; classes {rec['profile']['classes_ms']}; "
-                  f"streams {rec['profile']['busy_ms_per_stream']}", flush=True)  # fmt: skip
+            hosts = [p["host_issue_ms"] for p in rec["profile"]["per_process"]]
+            print(f"{rec['variant']}: {rec['median_ms']:.2f} ms; host issue {hosts}; classes "
+                  f"{rec['profile']['classes_ms']}; gaps {rec['profile']['compute_gaps']}", flush=True)  # fmt: skip
             gpu = torch.cuda.get_device_name() if device.type == "cuda" else None
             doc = {"world": world, "gpu": gpu, "args": dict(vars(args), out=Path(args.out).name), "results": results}
             Path(args.out).write_text(json.dumps(doc, indent=1))

@@ -253,3 +253,51 @@ def test_quantized_layers_builds_a_layer_at_a_time():
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     ids = torch.randint(0, 128, (1, 8))
     assert torch.isfinite(one(input_ids=ids).logits).all()
+
+
+def test_compute_gaps_tells_host_from_collective_waits():
+    """profile_multi_gpu.compute_gaps on a synthetic trace: a gap whose kernel was launched late is the host's, one
+    whose kernel was queued early waits on the collective that ended in it; gaps under 2 µs are launch latency."""
+    import profile_multi_gpu
+
+    def kernel(name, ts, dur, stream, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                "args": {"stream": stream, "correlation": corr}}  # fmt: skip
+
+    def launch(ts, dur, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": dur,
+                "args": {"correlation": corr}}  # fmt: skip
+
+    events = [
+        kernel("gemm_a", 0, 100, 7, 1), launch(0, 5, 1),
+        kernel("gemm_b", 130, 100, 7, 2), launch(120, 5, 2),  # launched at 125, 25 µs after gemm_a ended: host
+        kernel("ncclDevKernel_AllGather", 200, 150, 20, 3), launch(10, 5, 3),
+        kernel("gemm_c", 400, 50, 7, 4), launch(50, 5, 4),  # queued long before: waited on the all-gather
+        kernel("gemm_d", 451, 10, 7, 5), launch(60, 5, 5),  # 1 µs: latency, not counted
+        kernel("gemm_e", 480, 10, 7, 6), launch(465, 5, 6),  # launched at 470, gemm_d ended at 461: 9 host, 10 wait
+    ]  # fmt: skip
+    with_host = events + [
+        {"ph": "X", "cat": "cpu_op", "name": "outer", "ts": 90, "dur": 60, "tid": None},
+        {"ph": "X", "cat": "cpu_op", "name": "inner", "ts": 100, "dur": 20, "tid": None},
+        {"ph": "X", "cat": "python_function", "name": "peft/tuners/lora/dora.py(1): f", "ts": 95, "dur": 40},
+        {"ph": "X", "cat": "python_function", "name": "torch/x.py(2): g", "ts": 105, "dur": 10},
+    ]  # the first host gap [100, 125], its middle 112.5: inside "inner", and inside g called from our f
+    host = profile_multi_gpu.compute_gaps({"traceEvents": with_host}, steps=1)
+    assert host["host_gaps_by_op_ms"] == {"inner": pytest.approx(0.025), "(no host op)": pytest.approx(0.009)}
+    assert host["host_gaps_by_frame_ms"] == {"torch/x.py(2): g": pytest.approx(0.025)}
+    assert host["host_gaps_by_peft_frame_ms"] == {"peft/tuners/lora/dora.py(1): f": pytest.approx(0.025)}
+    # a Triton kernel is launched through the driver API: its late launch is the host's too
+    driver = [dict(e, cat="cuda_driver") if e.get("args", {}).get("correlation") == 2 and e["cat"] == "cuda_runtime"
+              else e for e in events]  # fmt: skip
+    assert profile_multi_gpu.compute_gaps({"traceEvents": driver}, steps=1)[
+        "idle_waiting_for_host_ms"
+    ] == pytest.approx(0.034)
+    out = profile_multi_gpu.compute_gaps({"traceEvents": events}, steps=1)
+    assert out["stream"] == 7
+    assert out["busy_ms"] == pytest.approx(0.27)
+    assert out["idle_waiting_for_host_ms"] == pytest.approx((25 + 9) / 1000)
+    assert out["idle_waiting_on_other_streams_ms"] == pytest.approx((5 + 170 + 10) / 1000)
+    assert out["waits_by_kernel_ms"]["20:ncclDevKernel_AllGather"] == pytest.approx(0.17)
+    assert out["waits_by_kernel_ms"]["(nothing ended on another stream)"] == pytest.approx(0.015)
+    assert out["host_gaps_by_op_ms"] == {"(no host op)": pytest.approx(0.034)}
+    assert profile_multi_gpu.compute_gaps({"traceEvents": []}, steps=1) == {}
