@@ -456,7 +456,7 @@ class DoraLinearLayer(nn.Module):
                 norm = record.answer(weight, lora_A, lora_B, float(scaling), 1, not weight.requires_grad, eager=True)
                 if norm is not None:
                     return norm
-            shards = dora_dist.norm_shards(weight, lora_A, lora_B)
+            shards = self._norm_shards(weight, lora_A, lora_B)
             if shards is not None:
                 return self._sharded_norm(weight, lora_A, lora_B, scaling, adapter_name, shards)
         sources, extra = (*_weight_sources(weight), source(lora_A), source(lora_B)), (float(scaling),)
@@ -476,6 +476,15 @@ class DoraLinearLayer(nn.Module):
             ),
             extra=(*extra, _weight_versions(weight)),
         )
+
+    def _norm_shards(self, weight, lora_A, lora_B) -> Optional[dora_dist.NormShards]:
+        """``dora_dist.norm_shards`` of these tensors, kept in ``LayerReuse.shards`` while they hold (the same
+        gathered and local objects, the same settings): a forward and its recompute ask for them every time."""
+        kept = self._reuse.shards
+        if kept is not None and kept.holds(weight, lora_A, lora_B):
+            return kept
+        shards = self._reuse.shards = dora_dist.norm_shards(weight, lora_A, lora_B)
+        return shards
 
     def _sharded_norm(self, weight, lora_A, lora_B, scaling, adapter_name, shards) -> torch.Tensor:
         """Under FSDP2 (``dora_dist``): the norm kept on the rank's shards of W, A and B, which stand for the gathered
@@ -513,7 +522,7 @@ class DoraLinearLayer(nn.Module):
         out until they lead again)."""
         jobs, unit = [], dora_dist.unit_norms(shards.unit)
         for layer, w, a, b, s in unit.followers(self, weight, lora_A, lora_B, scaling):
-            sh = dora_dist.norm_shards(w, a, b)
+            sh = layer._norm_shards(w, a, b)
             if sh is None or sh.unit is not shards.unit or sh.group is not shards.group or w.dtype != weight.dtype:
                 continue
             ex, waiting = _shard_extra(w, a, b, s, sh), layer._reuse.batched

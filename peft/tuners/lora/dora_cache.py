@@ -325,7 +325,8 @@ class LayerReuse:
     test started ahead: an event and a pinned flag), which lets the training output nodes read ``inner`` back from
     their output.
     ``batched``: under FSDP2, this layer's norm computed ahead by the first DoRA Linear of its unit with its own
-    (``dora_dist.UnitNorms``), keyed as ``norm`` is, taken once. ``record``: a training norm taken from ``graph``
+    (``dora_dist.UnitNorms``), keyed as ``norm`` is, taken once; ``shards``: the ``dora_dist.NormShards`` its norm is
+    keyed on, while they hold (``NormShards.holds``). ``record``: a training norm taken from ``graph``
     (``dora_norm.eager_record``), which answers the next training forwards and their recompute ahead of 2 and 4
     while its objects, layout, versions and settings hold. ``small``: the latest small-tier eval forward
     (:class:`SmallRecord`), which answers the next ones ahead of all of the above while its tensors and state hold.
@@ -334,7 +335,7 @@ class LayerReuse:
 
     __slots__ = (
         "norm", "w_sq", "scale", "factors", "rows", "scaled_b", "graph", "decode", "zero_free", "batched", "record",
-        "small",
+        "small", "shards",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -342,13 +343,13 @@ class LayerReuse:
         self.w_sq = Memo(frozen=True)  # a frozen W takes no optimizer steps
         self.graph = NormGraph()
         self.rows: tuple = ()
-        self.decode = self.record = self.scaled_b = self.small = None
+        self.decode = self.record = self.scaled_b = self.small = self.shards = None
 
     def clear(self, graph: bool = True) -> None:
         """Forget every kept value (``graph=False`` keeps the norm graph, which reads current values anyway)."""
         for memo in (self.norm, self.w_sq, self.scale, self.factors, self.zero_free, self.batched):
             memo.clear()
-        self.rows, self.decode, self.record, self.scaled_b, self.small = (), None, None, None, None
+        self.rows, self.decode, self.record, self.scaled_b, self.small, self.shards = (), None, None, None, None, None
         if graph:
             self.graph.clear()
 

@@ -75,6 +75,24 @@ class NormShards:
     stop: int = 0
     chunk: int = 0  # rows per rank, the last ranks' padded (FSDP2 shards like torch.chunk, with empty shards)
     unit: Optional[object] = None  # the FSDP2 parameter group holding W, A and B all three (gathered together)
+    env: Optional[object] = None  # the PEFT_DORA_* snapshot it was made under (PEFT_DORA_SHARDED_NORM decides rows)
+    fsdp_params: tuple = ()  # FSDP2's FSDPParam of W, A and B: what :meth:`holds` asks whether they still hold
+
+    def holds(self, weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
+        """Whether these shards still stand for ``weight``, ``lora_A`` and ``lora_B`` as :func:`norm_shards` would
+        find them now: the very gathered objects (FSDP2 gathers into the same ones every time), the same local shard
+        sharded parameters and local shards (FSDP2 may swap both, e.g. loading a state dict with ``assign``), the
+        same settings. A layer keeps its shards between forwards (``LayerReuse.shards``): finding them anew cost
+        more host time than the rest of a recompute's norm."""
+        gathered = self.gathered
+        if gathered[0] is not weight or gathered[1] is not lora_A or gathered[2] is not lora_B:
+            return False
+        if self.env is not dora_settings.current() or not _module_state_mapping:
+            return False
+        return all(
+            getattr(fp, "sharded_param", None) is p and getattr(p, "_local_tensor", None) is k
+            for fp, p, k in zip(self.fsdp_params, self.params, self.keys)
+        )
 
     @property
     def d_out(self) -> int:
@@ -225,20 +243,20 @@ def norm_shards(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor
     keys = tuple(_local_shard(fp) for fp in fps)
     if any(k is None for k in keys):
         return None
-    d_out = weight.shape[0]
-    if dora_settings.current().sharded_norm is False:  # PEFT_DORA_SHARDED_NORM=0: each rank the whole norm
-        return NormShards(keys, params, (weight, lora_A, lora_B))
+    d_out, env, gathered, fps = weight.shape[0], dora_settings.current(), (weight, lora_A, lora_B), tuple(fps)
+    if env.sharded_norm is False:  # PEFT_DORA_SHARDED_NORM=0: each rank the whole norm
+        return NormShards(keys, params, gathered, env=env, fsdp_params=fps)
     w_group, b_group = _row_group(fps[0]), _row_group(fps[2])
     if w_group is None or w_group != b_group or weight.dim() != 2 or lora_B.shape[0] != d_out:
-        return NormShards(keys, params, (weight, lora_A, lora_B))
+        return NormShards(keys, params, gathered, env=env, fsdp_params=fps)
     group, rank, world = w_group
     chunk = -(-d_out // world)
     start, stop = min(d_out, rank * chunk), min(d_out, (rank + 1) * chunk)
     if keys[0].shape[0] != stop - start or keys[2].shape[0] != stop - start:  # not torch.chunk's rows: the whole norm
-        return NormShards(keys, params, (weight, lora_A, lora_B))
+        return NormShards(keys, params, gathered, env=env, fsdp_params=fps)
     unit = _units.get(fps[0])
     unit = unit if unit is not None and all(_units.get(fp) is unit for fp in fps[1:]) else None
-    return NormShards(keys, params, (weight, lora_A, lora_B), group, start, stop, chunk, unit)
+    return NormShards(keys, params, gathered, group, start, stop, chunk, unit, env, fps)
 
 
 @torch.no_grad()

@@ -425,3 +425,57 @@ def test_unit_norms_keep_the_forward_order():
     assert followers(1) == [2, 3] and followers(0) == [1, 2, 3]  # led again: back, in its place
     layers[2] = nn.Module()  # the old layer 2 is gone; the new one joins at the end when it asks
     assert followers(0) == [1, 3] and followers(2) == [] and followers(0) == [1, 3, 2]
+
+
+def test_layer_keeps_its_norm_shards_while_they_hold(monkeypatch):
+    """A DoRA Linear keeps the ``NormShards`` its norm is keyed on between forwards (``LayerReuse.shards``) only while
+    they hold: the same gathered W, A and B, the same sharded parameters under FSDP2's ``FSDPParam`` and the same
+    local shards under them (FSDP2 swaps both where it loads a state dict with ``assign``), the same settings, FSDP2
+    still present. Stand-ins for FSDP2's objects; each failed check makes the layer find its shards anew."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from peft.tuners.lora import dora_dist, dora_settings
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    monkeypatch.setattr(dora_dist, "_module_state_mapping", {"fsdp2": "present"})
+    gathered = [nn.Parameter(torch.zeros(4, 4)) for _ in range(3)]
+    locals_ = [torch.zeros(2, 4) for _ in range(3)]
+    params = [SimpleNamespace(_local_tensor=t) for t in locals_]
+    fps = [SimpleNamespace(sharded_param=p) for p in params]
+    found = []
+
+    def norm_shards(weight, lora_A, lora_B):
+        found.append(1)
+        keys = tuple(p._local_tensor for p in params)
+        env = dora_settings.current()
+        return dora_dist.NormShards(keys, tuple(params), (weight, lora_A, lora_B), env=env, fsdp_params=tuple(fps))
+
+    monkeypatch.setattr(dora_dist, "norm_shards", norm_shards)
+    layer = DoraLinearLayer(fan_in_fan_out=False)
+
+    def ask(*tensors):
+        shards = layer._norm_shards(*(tensors or gathered))
+        return len(found), shards
+
+    n, first = ask()
+    assert n == 1 and first.holds(*gathered)
+    assert ask() == (1, first)  # kept
+    assert not first.holds(gathered[0], gathered[1], nn.Parameter(torch.zeros(4, 4)))
+    assert ask(gathered[0], gathered[1], nn.Parameter(torch.zeros(4, 4)))[0] == 2  # another B: found anew
+    _, kept = ask()
+    assert len(found) == 3 and ask() == (3, kept)
+    params[2]._local_tensor = torch.zeros(2, 4)  # a new local shard under the same DTensor
+    assert not kept.holds(*gathered) and ask()[0] == 4
+    _, kept = ask()
+    params[1] = SimpleNamespace(_local_tensor=locals_[1])  # a new DTensor with the old local shard
+    fps[1].sharded_param = params[1]
+    assert not kept.holds(*gathered) and ask()[0] == 5
+    _, kept = ask()
+    with dora_settings.override(sharded_norm=False):  # other settings: found anew
+        assert not kept.holds(*gathered) and ask()[0] == 6
+    monkeypatch.setattr(dora_dist, "_module_state_mapping", {})
+    assert not ask()[1].holds(*gathered)  # FSDP2 gone
+    layer._reuse.clear()
+    assert layer._reuse.shards is None
