@@ -115,9 +115,16 @@ def shard_versions(param: torch.Tensor, gathered: torch.Tensor) -> tuple:
 
 
 _MISSING = object()
-_params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gathered parameter -> its FSDPParam, or None if it has none
-_units: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FSDPParam -> its FSDPParamGroup (the unit gathered together)
-_owners: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> {parameter name: its FSDPParam}
+# FSDP2's objects, each held weakly on both sides: an FSDPParam holds its gathered parameter and its module, and a
+# parameter group its FSDPParams, so a value held strongly would keep its own key, and with it the whole model (its
+# shards on the GPU included), alive after the model is deleted
+_params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gathered parameter -> weakref to its FSDPParam, or None
+_units: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FSDPParam -> weakref to its FSDPParamGroup (gathered together)
+_owners: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> {parameter name: weakref to its FSDPParam}
+
+
+def _deref(ref):
+    return None if ref is None else ref()
 
 
 def _index() -> None:
@@ -130,13 +137,14 @@ def _index() -> None:
             groups = [] if single is None else [single]
         for group in groups:
             for fsdp_param in getattr(group, "fsdp_params", ()):
-                _units[fsdp_param] = group
+                mine = weakref.ref(fsdp_param)
+                _units[fsdp_param] = weakref.ref(group)
                 gathered = getattr(fsdp_param, "_unsharded_param", None)
                 if gathered is not None:
-                    _params[gathered] = fsdp_param
+                    _params[gathered] = mine
                 info = getattr(fsdp_param, "_module_info", None)
                 if info is not None:
-                    _owners.setdefault(info.module, {})[info.param_name] = fsdp_param
+                    _owners.setdefault(info.module, {})[info.param_name] = mine
 
 
 def fsdp_param(param: torch.Tensor):
@@ -149,7 +157,7 @@ def fsdp_param(param: torch.Tensor):
         hit = _params.get(param, _MISSING)
         if hit is _MISSING:
             hit = _params[param] = None
-    return hit
+    return _deref(hit)
 
 
 def _local_shard(fp) -> Optional[torch.Tensor]:
@@ -200,7 +208,7 @@ def module_shard(module: torch.nn.Module, name: str) -> Optional[tuple]:
     if owned is None:
         _index()
         owned = _owners.setdefault(module, {})
-    fp = owned.get(name)
+    fp = _deref(owned.get(name))
     local = None if fp is None else _local_shard(fp)
     return None if local is None else (local, fp.sharded_param)
 
@@ -254,8 +262,8 @@ def norm_shards(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor
     start, stop = min(d_out, rank * chunk), min(d_out, (rank + 1) * chunk)
     if keys[0].shape[0] != stop - start or keys[2].shape[0] != stop - start:  # not torch.chunk's rows: the whole norm
         return NormShards(keys, params, gathered, env=env, fsdp_params=fps)
-    unit = _units.get(fps[0])
-    unit = unit if unit is not None and all(_units.get(fp) is unit for fp in fps[1:]) else None
+    unit = _deref(_units.get(fps[0]))
+    unit = unit if unit is not None and all(_deref(_units.get(fp)) is unit for fp in fps[1:]) else None
     return NormShards(keys, params, gathered, group, start, stop, chunk, unit, env, fps)
 
 

@@ -479,3 +479,58 @@ def test_layer_keeps_its_norm_shards_while_they_hold(monkeypatch):
     assert not ask()[1].holds(*gathered)  # FSDP2 gone
     layer._reuse.clear()
     assert layer._reuse.shards is None
+
+
+_FREED_SCRIPT = r"""
+import gc, os, weakref
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import dora_dist
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["FREED_PORT"], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def trained(dora):
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=64, num_hidden_layers=2)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                               use_dora=dora, init_lora_weights=False))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    ids = torch.randint(0, 64, (1, 8))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    return weakref.ref(model), weakref.ref(next(model.parameters()))
+
+
+for dora in (False, True):
+    model, param = trained(dora)
+    gc.collect()
+    print("use_dora", dora, "model freed", model() is None, "parameter freed", param() is None)
+    assert model() is None and param() is None, "the model outlived its last reference"
+assert not dora_dist._params and not dora_dist._units and not dora_dist._owners
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_fsdp2_dora_model_is_freed_once_deleted():
+    """``dora_dist``'s tables of FSDP2's objects hold them weakly on both sides: with an FSDPParam (which holds its
+    gathered parameter and its module) as a value under its own gathered parameter, a deleted FSDP2 DoRA model, its
+    shards included, stayed alive for the rest of the process (LoRA's was freed). One gloo process, two steps."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, FREED_PORT=str(port))
+    run = subprocess.run([sys.executable, "-c", _FREED_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "use_dora True model freed True parameter freed True" in run.stdout
