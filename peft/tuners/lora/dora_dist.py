@@ -287,8 +287,11 @@ def gather_rows(parts: list, shards: list) -> list:
     norm_counts["norm_gathers"] += 1
     if len(parts) == 1:
         return [out[: shards[0].d_out]]
-    rows = out.view(world, -1).split(chunks, dim=1)  # [world, chunk] each: rank p's rows of every norm in row p
-    return [r.reshape(-1)[: s.d_out] for r, s in zip(rows, shards)]
+    # [world, chunk] each: rank p's rows of every norm in row p, made contiguous by one kernel for all of them (as
+    # FSDP2 unpacks its own all-gathers), not one copy per norm
+    rows = [out.new_empty(world, chunk) for chunk in chunks]
+    torch.split_with_sizes_copy(out.view(world, -1), chunks, dim=1, out=rows)
+    return [r.view(-1)[: s.d_out] for r, s in zip(rows, shards)]
 
 
 class UnitNorms:

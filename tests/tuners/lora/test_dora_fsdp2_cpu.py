@@ -534,3 +534,36 @@ def test_fsdp2_dora_model_is_freed_once_deleted():
     run = subprocess.run([sys.executable, "-c", _FREED_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
     assert "use_dora True model freed True parameter freed True" in run.stdout
+
+
+def test_gather_rows_assembles_each_norm_from_every_ranks_rows(monkeypatch):
+    """``dora_dist.gather_rows``: three norms of d_out 5, 4 and 7 over three ranks (torch.chunk's rows: 2, 2 and 3 per
+    rank, the last ranks' short or empty, padded in the all-gather), with a stand-in all-gather that hands out every
+    rank's rows (rank p's row i of norm k is 100·k + chunk_k·p + i): each norm comes back whole, in row order."""
+    from types import SimpleNamespace
+
+    from peft.tuners.lora import dora_dist
+
+    world, d_outs = 3, (5, 4, 7)
+    chunks = [-(-d // world) for d in d_outs]
+
+    def rows_of(k, p):
+        start, stop = min(d_outs[k], p * chunks[k]), min(d_outs[k], (p + 1) * chunks[k])
+        return torch.arange(start, stop, dtype=torch.float32) + 100 * k
+
+    def all_gather_into_tensor(out, send, group=None):
+        for p in range(world):
+            parts = [torch.cat([rows_of(k, p), torch.zeros(chunks[k] - rows_of(k, p).numel())]) for k in range(3)]
+            out[p * send.numel() : (p + 1) * send.numel()] = torch.cat(parts)
+
+    monkeypatch.setattr(dora_dist.dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(dora_dist.dist, "all_gather_into_tensor", all_gather_into_tensor)
+    shards = [SimpleNamespace(group="g", chunk=c, d_out=d) for c, d in zip(chunks, d_outs)]
+    parts = [rows_of(k, 1) for k in range(3)]  # this rank's own rows (rank 1: 2, 2 and 3 of them)
+    norms = dora_dist.gather_rows(parts, shards)
+    for k, norm in enumerate(norms):
+        assert torch.equal(norm, torch.arange(d_outs[k], dtype=torch.float32) + 100 * k)
+        assert norm.is_contiguous()
+    short = [rows_of(k, 2) for k in range(3)]  # rank 2's rows: 1, 0 and 1 of them, padded into the send buffer
+    assert [p.numel() for p in short] == [1, 0, 1]
+    assert all(torch.equal(n, m) for n, m in zip(dora_dist.gather_rows(short, shards), norms))
