@@ -35,6 +35,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -357,11 +358,22 @@ def _loss_diff(doc: dict, impl: str, rank: int, ref: str = "upstream"):
     return max(abs(a - b) for r in recs for a, b in zip(r["losses"], base))
 
 
+def _host_issue(doc: dict, impl: str, rank: int) -> Optional[float]:
+    """The slowest process's median host issue time of a step (ms; ``model_worker.measure``), the median over the
+    impl's rounds; None for records made before it was kept. Near or above ``step_ms``: the step waits on the host."""
+    per_round = [
+        max(r["host_issue_ms_per_rank"])
+        for r in doc["records"]
+        if (r["impl"], r["rank"]) == (impl, rank) and None not in (r.get("host_issue_ms_per_rank") or [None])
+    ]
+    return round(statistics.median(per_round), 3) if per_round else None
+
+
 def summarize(doc: dict) -> list:
-    """One row per rank: median step ms per impl, DoRA/LoRA per DoRA impl and upstream/ours (medians of per-round
-    ratios; None where a record is missing or failed its gradient proof), peak over static and its delta over LoRA
-    in % (largest process, largest round), step-0 loss and the largest |loss diff| vs upstream, and ours' vs the
-    single-process reference (None where it did not run)."""
+    """One row per rank: median step ms per impl, the host's issue time of a step per impl, DoRA/LoRA per DoRA impl
+    and upstream/ours (medians of per-round ratios; None where a record is missing or failed its gradient proof),
+    peak over static and its delta over LoRA in % (largest process, largest round), step-0 loss and the largest
+    |loss diff| vs upstream, and ours' vs the single-process reference (None where it did not run)."""
     view, cfg, rows = speed_view(doc), doc["config"], []
     mode = cfg["precision"]
     dora = DORA + tuple(i for i in cfg["impls"] if i not in DORA and IMPLS.get(i, {}).get("dora"))
@@ -372,7 +384,7 @@ def summarize(doc: dict) -> list:
         step0 = {r["impl"]: r["step0_loss"] for r in sorted(doc["records"], key=lambda r: -r["round"])
                  if r["rank"] == rank}  # fmt: skip
         rows.append({
-            "rank": rank, "step_ms": ms,
+            "rank": rank, "step_ms": ms, "host_issue_ms": {i: _host_issue(doc, i, rank) for i in cfg["impls"]},
             "dora_over_lora": {i: bench_model.time_ratio(view, i, "lora", mode, "train", rank) for i in dora},
             "speedup_vs_upstream": bench_model.time_ratio(view, "upstream", "ours", mode, "train", rank),
             "peak_delta_mb": peak, "peak_delta_over_lora_pct": over, "step0_loss": step0,

@@ -330,7 +330,9 @@ def summary(samples: list) -> dict:
 
 
 def measure(fn, device, warmup: int, repeats: int, before=None, after=None) -> dict:
-    """Run ``fn`` ``warmup`` times, then time it ``repeats`` times; peak memory over the static allocation.
+    """Run ``fn`` ``warmup`` times, then time it ``repeats`` times; peak memory over the static allocation, and the
+    host's issue time of each timed call (``perf_counter`` around ``fn`` alone, no sync: where its median reaches the
+    step time, the step waits on the host, and a host's speed moves the step's ratios).
 
     ``before`` (untimed) runs ahead of every call, e.g. to drop gradients so each step allocates them afresh;
     ``after`` (untimed) after every call, e.g. to check the gradients the step produced.
@@ -349,13 +351,15 @@ def measure(fn, device, warmup: int, repeats: int, before=None, after=None) -> d
         torch.cuda.synchronize()
         static = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    timer, samples = Timer(device), []
+    timer, samples, issue = Timer(device), [], []
     counts0 = tier_counts()
     for _ in range(repeats):
         if before:
             before()
         with timer.region(samples):
+            t0 = time.perf_counter()
             fn()
+            issue.append((time.perf_counter() - t0) * 1e3)
         if after:
             after()
     if device.type == "cuda":
@@ -365,6 +369,7 @@ def measure(fn, device, warmup: int, repeats: int, before=None, after=None) -> d
     out["peak_delta_mb"] = None if peak is None else peak / 2**20
     out["static_mb"] = None if static is None else static / 2**20
     out["tiers"] = tiers
+    out["host_issue_median_ms"] = statistics.median(issue) if issue else None
     return out
 
 

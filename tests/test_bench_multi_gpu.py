@@ -164,6 +164,10 @@ def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
         assert r["grad_proof"]["tensors"] == 14 * (3 if r["impl"] != "lora" else 2)
         assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
         assert len(r["samples_ms"]) == 2 and r["peak_delta_mb"] is None  # no CUDA memory on CPU
+        # the host's issue time of a step, per process: on a CPU the step itself (nothing runs behind the host)
+        world = 1 if r["impl"] == "single" else 2
+        assert len(r["host_issue_ms_per_rank"]) == world and all(0 < t for t in r["host_issue_ms_per_rank"])
+        assert min(r["host_issue_ms_per_rank"]) <= 1.5 * max(r["local_ms_per_rank"])
     ours = next(r for r in doc["records"] if r["impl"] == "ours")
     assert len(ours["norm_counts"]) == 3 and ours["norm_counts"][0].get("norm_computed") == 14
     # PEFT_DORA_SHARDED_NORM=0 reaches its workers (and only theirs): the whole norm, no all-gather, the same losses
@@ -173,6 +177,7 @@ def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
     assert whole["losses"] == pytest.approx(ours["losses"], abs=1e-5)
     (row,) = doc["summary"]
     assert all(math.isfinite(row["dora_over_lora"][i]) for i in ("ours", "ours_whole_norm"))
+    assert all(row["host_issue_ms"][i] > 0 for i in impls)
     # the same rows in one process: equal to the losses' 1e-6 rounding here; one process's rows alone differ by ~1e-2
     assert row["loss_max_abs_diff_vs_single_gpu"] <= 1e-4
     norms = doc["norm_check"]
