@@ -80,10 +80,10 @@ class NormShards:
 
     def holds(self, weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
         """Whether these shards still stand for ``weight``, ``lora_A`` and ``lora_B`` as :func:`norm_shards` would
-        find them now: the very gathered objects (FSDP2 gathers into the same ones every time), the same local shard
-        sharded parameters and local shards (FSDP2 may swap both, e.g. loading a state dict with ``assign``), the
-        same settings. A layer keeps its shards between forwards (``LayerReuse.shards``): finding them anew cost
-        more host time than the rest of a recompute's norm."""
+        find them now: the very gathered objects (FSDP2 gathers into the same ones every time), the same sharded
+        parameters under FSDP2's ``FSDPParam`` and the same local shards under them (FSDP2 may swap both, e.g.
+        loading a state dict with ``assign``), the same settings. A layer keeps its shards between forwards
+        (``LayerReuse.shards``): finding them anew cost more host time than the rest of a recompute's norm."""
         gathered = self.gathered
         if gathered[0] is not weight or gathered[1] is not lora_A or gathered[2] is not lora_B:
             return False

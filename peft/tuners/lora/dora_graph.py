@@ -83,6 +83,17 @@ def versions(tensors) -> tuple:
     return tuple(t._version for t in tensors)
 
 
+def hand_out(out: torch.Tensor, written: list, state: tuple) -> torch.Tensor:
+    """A graph's output buffer as a layer hands it out after a replay from inputs at ``state``: the buffer itself,
+    its version moved on where the values changed (:func:`note_write`), or a copy of a buffer captured under
+    ``torch.inference_mode``: an inference tensor has no version counter for a training node to check, and outside
+    inference mode autograd may not record it; its copy is an ordinary tensor."""
+    if out.is_inference():
+        return out.clone()
+    note_write(out, written, state)
+    return out
+
+
 def note_write(out: torch.Tensor, written: list, state: tuple) -> None:
     """After a replay that wrote ``out`` from inputs at ``state`` (:func:`versions`): where the last write (kept in
     the one-element list ``written``, shared by everyone who replays that graph) was from other versions, the values
@@ -133,12 +144,9 @@ class NormGraph:
         return self._handed_out(tensors)
 
     def _handed_out(self, tensors) -> torch.Tensor:
-        if self.copies or self.out.is_inference():
-            # an inference tensor (captured under torch.inference_mode) has no version counter for a training node to
-            # check, and outside inference mode autograd may not record it: its copy is an ordinary tensor
+        if self.copies:
             return self.out.clone()
-        note_write(self.out, self.written, versions(tensors))
-        return self.out
+        return hand_out(self.out, self.written, versions(tensors))
 
     def _capture(self, device: torch.device, compute) -> Optional[torch.Tensor]:
         """Capture ``compute`` on the device's side stream and replay it once; None (and eager from now on for

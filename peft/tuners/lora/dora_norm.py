@@ -36,7 +36,7 @@ from .dora_cache import (
     storage_memo,
 )
 from .dora_dispatch import records_grad
-from .dora_graph import graph_counts, note_write, same_objects
+from .dora_graph import graph_counts, hand_out, same_objects
 from .dora_launch import INTERPRET
 from .dora_settings import current as settings
 from .dora_settings import get_dora_norm_threshold_bytes
@@ -459,12 +459,8 @@ class _OpRecord:
         graph.replay()
         graph_counts["replayed"] += 1
         inference = torch.is_inference_mode_enabled()
-        if eager:  # the graph's output buffer itself, as the layer's graph hands it out (dora_graph.note_write)
-            if out.is_inference():  # captured under inference mode: a copy, as NormGraph hands it out
-                value = out.clone()
-            else:
-                note_write(out, written, state[:3] if w_sq is None else (*state[:3], w_sq._version))
-                value = out
+        if eager:  # the graph's output buffer, as the layer's graph hands it out (or a copy, captured in inference)
+            value = hand_out(out, written, state[:3] if w_sq is None else (*state[:3], w_sq._version))
             self.value, self.state, self.inference = value, state, inference
             return value
         # the graph's own output buffer is the kept norm: only this graph writes it, at its next replay, which
