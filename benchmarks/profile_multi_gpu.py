@@ -271,7 +271,7 @@ def run_variant(
             name: round(statistics.median(p[i] for p in phases) * 1000.0, 3)
             for i, name in enumerate(("forward", "backward", "optimizer"))
         }
-        hot = python_hotspots(step, calls=2, top=25, under="peft") if pystats else None
+        hot = python_hotspots(step, calls=2, top=60, under="peft") if pystats else None
         prof = profile_step(step, 2, stack)
         every = [None] * world  # each process's compute-stream gaps: a wait on one is often the host of another
         dist.all_gather_object(every, {"host_issue_ms": host, "compute_gaps": prof["compute_gaps"], "python": hot})
