@@ -24,6 +24,7 @@ importable from here.
 from __future__ import annotations
 
 import collections
+import contextlib
 from copy import deepcopy
 from functools import wraps
 from typing import Any, Optional
@@ -896,6 +897,10 @@ def _on_device_of_result(forward):
 
     @wraps(forward)
     def run(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
+        if torch._C._are_functorch_transforms_active():
+            # torch.func (grad, vmap, jacrev...): wrapped tensors without storage, upstream's eager path
+            with dora_settings.plain(), device_switch(result) or contextlib.nullcontext():
+                return forward(module, active_adapter, x, result, **kwargs)
         switch = device_switch(result)
         if switch is None:
             return forward(module, active_adapter, x, result, **kwargs)

@@ -111,16 +111,18 @@ class Memo:
     """A value computed from some tensors, valid while the very same tensor objects keep their storage, version
     counter, layout and dtype, the extra key (e.g. the scaling) is unchanged, and no optimizer step or merge happened
     since (the epoch; for a ``frozen`` memo, whose tensors take no optimizer steps, no merge). A layer holds its
-    memos in a :class:`LayerReuse`, whose copies and pickles start empty."""
+    memos in a :class:`LayerReuse`, whose copies and pickles start empty. ``pins``: the storages the value was
+    computed from, held weakly (:func:`storage_pins`), so that "the same storage" means that storage and not a new
+    one at a freed one's address."""
 
-    __slots__ = ("refs", "key", "value", "epoch")
+    __slots__ = ("refs", "key", "value", "epoch", "pins")
 
     def __init__(self, frozen: bool = False):
         self.epoch = _merge_epoch if frozen else _epoch
         self.clear()
 
     def clear(self) -> None:
-        self.refs, self.key, self.value = (), None, None
+        self.refs, self.key, self.value, self.pins = (), None, None, ()
 
     def _key(self, tensors, extra) -> tuple:
         # without __torch_function__: bitsandbytes' Params4bit has a Python one, which made every attribute read here
@@ -134,7 +136,9 @@ class Memo:
         return self.value if self._key(tensors, extra) == self.key else None
 
     def put(self, tensors, value: torch.Tensor, extra=()) -> torch.Tensor:
-        self.refs, self.key, self.value = tuple(weakref.ref(t) for t in tensors), self._key(tensors, extra), value
+        key = self._key(tensors, extra)
+        self.pins = storage_pins(tensors, key[2], self.pins)
+        self.refs, self.key, self.value = tuple(weakref.ref(t) for t in tensors), key, value
         return value
 
 
@@ -272,13 +276,14 @@ class SmallRecord:
     parameter is not kept alive.
     """
 
-    __slots__ = ("refs", "key", "state", "inference", "plain", "scaled_b", "bias_term", "g", "cached")
+    __slots__ = ("refs", "key", "state", "inference", "plain", "scaled_b", "bias_term", "g", "cached", "pins")
 
     def __init__(self, tensors, state: tuple, scaled_b, bias_term, g, cached=None) -> None:
         self.refs = tuple(weakref.ref(t) for t in tensors)
         # a bitsandbytes weight (Params4bit) has a Python __torch_function__: its key is read without it
         self.plain = all(type(t) is nn.Parameter for t in tensors)
         self.key = tensor_keys(tensors, self.plain)
+        self.pins = storage_pins(tensors, self.key)
         self.state, self.scaled_b, self.bias_term, self.g = state, scaled_b, bias_term, g
         self.cached = cached  # DoraCaching's norm it was made with (held: its identity is what the caller compares)
         # an inference tensor answers only in inference mode (as ``reused``'s do)
@@ -294,13 +299,27 @@ class SmallRecord:
 
 
 def tensor_keys(tensors, plain: bool = True) -> list:
-    """Each tensor's data pointer, version counter, layout, dtype and device: what :class:`Memo` and
-    :class:`SmallRecord` compare (``plain``: all of them ``nn.Parameter``, whose reads need not switch off
-    ``__torch_function__``; a caller that has switched it off passes True)."""
+    """Each tensor's storage (its ``StorageImpl``), data pointer, version counter, layout, dtype and device: what
+    :class:`Memo` and :class:`SmallRecord` compare (``plain``: all of them ``nn.Parameter``, whose reads need not
+    switch off ``__torch_function__``; a caller that has switched it off passes True). A key is kept with the
+    :func:`storage_pins` of its storages: ``p.data = ...`` gives ``p`` a new storage and keeps its version counter,
+    and the allocator may put that storage, and its data, where a freed one was."""
     if not plain:
         with _NO_TORCH_FUNCTION():
             return tensor_keys(tensors)
-    return [(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors]
+    return [(t.untyped_storage()._cdata, t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device)
+            for t in tensors]  # fmt: skip
+
+
+def storage_pins(tensors, keys, held: tuple = ()) -> tuple:
+    """Weak references to the storages of ``tensors`` (whose :func:`tensor_keys` are ``keys``; ``held``: the pins
+    kept so far, reused where they are these storages'). A pinned ``StorageImpl`` stays allocated, its data does not:
+    no new storage can take its address, so a key's storage entry that compares equal is the very storage."""
+    cdatas = tuple(k[0] for k in keys)
+    if held and tuple(pin.cdata for pin in held) == cdatas:
+        return held
+    with _NO_TORCH_FUNCTION():
+        return tuple(StorageWeakRef(t.untyped_storage()) for t in tensors)
 
 
 class LayerReuse:

@@ -34,6 +34,7 @@ from .dora_cache import (
     norm_counts,
     storage_graph,
     storage_memo,
+    storage_pins,
 )
 from .dora_dispatch import records_grad
 from .dora_graph import graph_counts, hand_out, same_objects
@@ -400,11 +401,16 @@ class _OpRecord:
     object, layout, scaling, settings or ``frozen``; no graph captured yet) takes the memos' path, which records
     again. The records live in ``_op_records``, keyed by the objects' ids and checked against weak references."""
 
-    __slots__ = ("refs", "layout", "value", "state", "inference", "graph", "graph_state", "__weakref__")
+    __slots__ = ("refs", "layout", "value", "state", "inference", "graph", "graph_state", "pins", "__weakref__")
 
     @staticmethod
     def _layout(weight, lora_A, lora_B, scale) -> tuple:
+        # the storages too, pinned by the record (``dora_cache.storage_pins``): ``p.data = ...`` keeps the object and
+        # its version counter, and a new storage may take a freed one's address
         return (
+            weight.untyped_storage()._cdata,
+            lora_A.untyped_storage()._cdata,
+            lora_B.untyped_storage()._cdata,
             weight.data_ptr(),
             lora_A.data_ptr(),
             lora_B.data_ptr(),
@@ -499,6 +505,7 @@ def _make_record(sources: tuple, scale: float, frozen: bool, value: torch.Tensor
     record = _OpRecord()
     record.refs = tuple(weakref.ref(t, drop) for t in sources)
     record.layout = _OpRecord._layout(weight, lora_A, lora_B, scale)
+    record.pins = storage_pins(sources, [(cdata,) for cdata in record.layout[:3]])
     record.value, record.inference = value, value.is_inference()
     record.state = _OpRecord._state(weight, lora_A, lora_B)
     captured = graph is not None and graph.graph is not None and not graph.failed

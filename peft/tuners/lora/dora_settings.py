@@ -102,8 +102,15 @@ _env_lock = threading.Lock()
 _overrides: dict = {}  # fields set by `override`, over what the environment says
 
 
+_PLAIN_FIELDS = {"fused": False, "norm_cache": False, "norm_kernel": False, "norm_graph": False, "norm_batch": False}
+_plain = [0, None]  # how many ``plain()`` blocks are running, and their snapshot
+
+
 def current() -> _DoraEnv:
-    """The settings in force: the snapshot of ``PEFT_DORA_*`` (and ``override`` fields), read on first use."""
+    """The settings in force: the snapshot of ``PEFT_DORA_*`` (and ``override`` fields), read on first use; inside
+    ``plain()``, that snapshot with DoRA's kernels and reuse off."""
+    if _plain[0]:
+        return _plain[1]
     snapshot = _env_snapshot  # one read of the global: the hot path takes no lock
     if snapshot is None:
         snapshot = _load_env()
@@ -141,6 +148,22 @@ def override(**fields):
     finally:
         _overrides = before
         _invalidate_fused_cache()
+
+
+@contextlib.contextmanager
+def plain():
+    """DoRA's Triton kernels, norm graphs and norm reuse off for the block, whatever the environment says: each
+    forward computes its norm afresh with PyTorch ops and composes eagerly, upstream's path. For forwards under
+    ``torch.func`` transforms (``grad``, ``vmap``, ``functional_call`` inside them), whose wrapped tensors have no
+    storage for a memo's key or a kernel's pointer. A count, not per thread: another thread's forwards meanwhile take
+    the same path (slower, never wrong)."""
+    if _plain[0] == 0:
+        _plain[1] = dataclasses.replace(current(), **_PLAIN_FIELDS)
+    _plain[0] += 1
+    try:
+        yield
+    finally:
+        _plain[0] -= 1
 
 
 def set_dora_norm_threshold_mb(mb: int) -> None:

@@ -236,6 +236,12 @@ def test_norm_op_record_answers_only_what_the_memos_would():
     assert not call()[1] and call()[1]
     lora_B.data = torch.randn(24, 6)  # another tensor behind the same parameter object (a new data pointer)
     assert not call()[1] and call()[1]
+    # another storage at the same address, the version counter unchanged (``p.data = ...`` where the allocator put
+    # the new storage where a freed one was): the record keeps its storages pinned and sees a new one
+    memory = lora_B.detach().numpy()
+    lora_B.data = torch.from_numpy(memory)
+    memory *= 0.5
+    assert not call()[1] and call()[1]
     assert not call(scale=0.3)[1] and not call()[1]  # the record keeps the last scaling it computed for
 
     # reuse 1 (a training forward): the kept norm only in a backward, the checkpoint's recompute

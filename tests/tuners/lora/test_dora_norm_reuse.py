@@ -7,6 +7,7 @@ and no optimizer step or merge happened. ``0``: never.
 """
 
 import copy
+import gc
 import io
 import warnings
 
@@ -142,7 +143,18 @@ CHANGES = {
         lin0(m).lora_B["default"].weight.data.mul_(2.0),
         dora.invalidate_norm_caches(),
     ),
+    "a new storage for W at its old address": lambda m: new_storage_at_same_address(lin0(m).base_layer.weight),
+    "a new storage for B at its old address": lambda m: new_storage_at_same_address(lin0(m).lora_B["default"].weight),
 }
+
+
+def new_storage_at_same_address(param):
+    """``param.data = ...`` with a new storage that starts where the old one does and holds other values: what the
+    allocator may do with ``p.data = p.data + 1`` twice (the second result where the first storage was freed). The
+    data pointer and the version counter stay; only the storage is new."""
+    memory = param.detach().numpy()
+    param.data = torch.from_numpy(memory)  # a new storage over the same memory
+    memory *= 0.5  # the values such a storage holds
 
 
 @pytest.mark.parametrize("mode", ["eval default", "1"])
@@ -356,6 +368,23 @@ W_CHANGES["invalidate after a .data write to W"] = lambda m: (
     lin0(m).base_layer.weight.data.mul_(0.5),
     dora.invalidate_norm_caches(),
 )
+
+
+def test_kept_norms_do_not_keep_replaced_storages_alive(norm_cache):
+    """A memo pins the storages it was computed from (their ``StorageImpl``, so no new storage takes their address),
+    not their data: a storage replaced behind a parameter is freed while the memo still holds its key."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    model = build("linear", bias=True, dropout=0.0)
+    model.eval()
+    weight = lin0(model).base_layer.weight
+    with torch.no_grad():
+        model(torch.randn(3, 24))
+    old = StorageWeakRef(weight.untyped_storage())
+    assert lin0(model).lora_magnitude_vector["default"]._reuse.norm.pins  # the memo holds pins ...
+    weight.data = weight.data.clone()
+    gc.collect()
+    assert old.expired()  # ... and the old storage's data is gone
 
 
 def test_frozen_weight_square_norm_outlives_optimizer_steps(norm_cache):
