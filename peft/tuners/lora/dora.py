@@ -234,7 +234,10 @@ class DoraLinearLayer(nn.Module):
             lora_result, weight_a, weight_b = dora_dist.lora_output_and_weights(lora_A, lora_B, x)
         else:
             lora_result, weight_a, weight_b = None, lora_A.weight, lora_B.weight
-        weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
+        if lora_result is None and _acts_on_calls(lora_A, lora_B):
+            weight_norm = self._norm_through_modules(base_layer, lora_A, lora_B, scaling, x)
+        else:
+            weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
         # The norm is a constant for autograd (DoRA paper, section 4.3); only the magnitude gets a gradient.
         g = self._scale(weight_norm, weight.dtype)
         if lora_result is None:
@@ -259,7 +262,9 @@ class DoraLinearLayer(nn.Module):
         weight_norm = None
         if plain is None:  # LoRA modules with a bias, hooks or a forward of their own run as they are
             weight_a, weight_b = lora_A.weight, lora_B.weight
-            if hasattr(weight_a, "ds_id") or hasattr(weight_b, "ds_id"):
+            if _acts_on_calls(lora_A, lora_B):
+                weight_norm = self._norm_through_modules(base_layer, lora_A, lora_B, scaling, x)
+            elif hasattr(weight_a, "ds_id") or hasattr(weight_b, "ds_id"):
                 # DeepSpeed ZeRO-3 gathers A and B on access and partitions them again after lora_A's and lora_B's
                 # forwards: the norm first, as upstream's DoRA does
                 weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
@@ -477,6 +482,20 @@ class DoraLinearLayer(nn.Module):
             ),
             extra=(*extra, _weight_versions(weight)),
         )
+
+    def _norm_through_modules(self, base_layer, lora_A, lora_B, scaling, x) -> torch.Tensor:
+        """Upstream's norm, for LoRA modules that act on their calls (:func:`_acts_on_calls`): ``lora_B(lora_A(I))``
+        run through the modules in ``x``'s dtype, so their hooks fire and shape the norm as in upstream's DoRA, and
+        ``‖W + s·(lora_B(lora_A(I)))ᵀ‖`` of the dense sum, in fp32 at least; computed in every forward, never kept
+        (what a hook does can change between calls)."""
+        with torch.no_grad():
+            eye = torch.eye(lora_A.weight.shape[1], device=x.device, dtype=x.dtype)
+            lora_weight = lora_B(lora_A(eye)).T
+            weight = _oriented(dequantize_module_weight(base_layer), self.fan_in_fan_out)
+            acc = torch.promote_types(weight.dtype, torch.float32)
+            dense = weight.to(acc) + float(scaling) * lora_weight.to(device=weight.device, dtype=acc)
+            norm_counts["norm_computed"] += 1
+            return torch.linalg.vector_norm(dense, dim=1)
 
     def _norm_shards(self, weight, lora_A, lora_B) -> Optional[dora_dist.NormShards]:
         """``dora_dist.norm_shards`` of these tensors, kept in ``LayerReuse.shards`` while they hold (the same
@@ -1200,6 +1219,19 @@ def _plain_linear(module: nn.Module) -> bool:
         and not (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)
         and not (_nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
     )
+
+
+def _acts_on_calls(lora_A: nn.Module, lora_B: nn.Module) -> bool:
+    """Whether the LoRA modules themselves act on their calls: forward hooks or pre-hooks of their own, or a forward
+    wrapped on the instance (accelerate's offload hooks). Upstream's DoRA runs ``lora_B(lora_A(I))`` through them for
+    the norm, so a hook that changes their outputs changes the norm there; :meth:`DoraLinearLayer._norm_through_modules`
+    follows it. Not DeepSpeed ZeRO-3's partitioned parameters, whose hooks only gather them (``dora._own_param``), nor
+    global hooks (profilers', debuggers'): the weights give the same norm there."""
+    if not (lora_A._forward_hooks or lora_A._forward_pre_hooks or "forward" in lora_A.__dict__) and not (
+        lora_B._forward_hooks or lora_B._forward_pre_hooks or "forward" in lora_B.__dict__
+    ):
+        return False
+    return not any(hasattr(m._parameters.get("weight"), "ds_id") for m in (lora_A, lora_B))
 
 
 def _lora_output(lora_A: nn.Module, lora_B: nn.Module, x: torch.Tensor) -> torch.Tensor:
