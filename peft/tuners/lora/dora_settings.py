@@ -157,13 +157,16 @@ def plain():
     ``torch.func`` transforms (``grad``, ``vmap``, ``functional_call`` inside them), whose wrapped tensors have no
     storage for a memo's key or a kernel's pointer. A count, not per thread: another thread's forwards meanwhile take
     the same path (slower, never wrong)."""
-    if _plain[0] == 0:
-        _plain[1] = dataclasses.replace(current(), **_PLAIN_FIELDS)
-    _plain[0] += 1
+    snapshot = dataclasses.replace(current(), **_PLAIN_FIELDS)
+    with _env_lock:
+        if _plain[0] == 0:
+            _plain[1] = snapshot
+        _plain[0] += 1
     try:
         yield
     finally:
-        _plain[0] -= 1
+        with _env_lock:
+            _plain[0] -= 1
 
 
 def set_dora_norm_threshold_mb(mb: int) -> None:
