@@ -180,6 +180,13 @@ class DoraLinearLayer(nn.Module):
         self._reuse = LayerReuse()  # what this layer keeps across forwards; not part of the state_dict
         self._dora_cache: dict[str, Any] = {}  # ENABLE_DORA_CACHING's values, under upstream's name
 
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        # a module pickled by upstream PEFT (``torch.save(model)``) has upstream's attributes only
+        self.__dict__.setdefault("_reuse", LayerReuse())
+        self.__dict__.setdefault("last_tier", None)
+        self.__dict__.setdefault("_dora_cache", {})
+
     def _cache_store(self, key: str, value: Any) -> None:
         self._dora_cache[key] = value
 
@@ -202,13 +209,29 @@ class DoraLinearLayer(nn.Module):
 
     @cache_decorator("weight-norm")
     def get_weight_norm(
-        self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None, w_sq=None
+        self, weight, lora_A=None, lora_B=None, scaling=None, adapter_name: Optional[str] = None, w_sq=None, **kwargs
     ) -> torch.Tensor:
         """Detached fp32 norm of ``weight + scaling·lora_B·lora_A`` per output row (weight as stored by the layer, or a
-        ``dora_quant.QuantizedWeight``)."""
+        ``dora_quant.QuantizedWeight``). Upstream's form, ``get_weight_norm(weight, lora_weight, scaling)`` with the
+        dense ``lora_weight`` (positional or by name, as outside code calls it), gives upstream's dense norm."""
+        dense = _upstream_norm_args(lora_A, lora_B, scaling, kwargs)
+        if dense is not None:
+            return self._dense_norm(weight, *dense)
         if isinstance(weight, dora_quant.QuantizedWeight):
             return dora_quant.row_norm(weight, lora_A, lora_B, scaling, w_sq=w_sq)
         return factored_row_norm(_oriented(weight, self.fan_in_fan_out), lora_A, lora_B, scaling, w_sq=w_sq)
+
+    def _dense_norm(self, weight, lora_weight, scaling) -> torch.Tensor:
+        """Upstream's norm of the dense ``weight + scaling·lora_weight`` per output row, in ``weight``'s dtype."""
+        weight = _oriented(weight, self.fan_in_fan_out)
+        return torch.linalg.vector_norm(weight + scaling * lora_weight, dim=1).to(weight.dtype)
+
+    @cache_decorator("lora-weight")
+    def get_lora_weight(self, lora_A, lora_B, adapter_name: Optional[str] = None) -> torch.Tensor:
+        """Upstream's dense ``lora_weight`` [d_out, d_in] of the LoRA modules: ``lora_B(lora_A(I))ᵀ``, run through the
+        modules (their hooks see it) in ``lora_A``'s dtype. Not used by the forwards, except where the modules act on
+        their calls (:meth:`_norm_through_modules`)."""
+        return _lora_weight_through_modules(lora_A, lora_A.weight.device, lora_B)
 
     def update_layer(self, *, base_layer, lora_A, lora_B, scaling, place_on_cpu=False) -> None:
         """Create the magnitude vector: the row norm of the adapted weight, ``||W + s·B·A||_row``."""
@@ -485,12 +508,12 @@ class DoraLinearLayer(nn.Module):
 
     def _norm_through_modules(self, base_layer, lora_A, lora_B, scaling, x) -> torch.Tensor:
         """Upstream's norm, for LoRA modules that act on their calls (:func:`_acts_on_calls`): ``lora_B(lora_A(I))``
-        run through the modules in ``x``'s dtype, so their hooks fire and shape the norm as in upstream's DoRA, and
-        ``‖W + s·(lora_B(lora_A(I)))ᵀ‖`` of the dense sum, in fp32 at least; computed in every forward, never kept
-        (what a hook does can change between calls)."""
+        run through the modules in ``lora_A``'s dtype (:meth:`get_lora_weight`'s, uncached), so their hooks fire and
+        shape the norm as in upstream's DoRA, and ``‖W + s·(lora_B(lora_A(I)))ᵀ‖`` of the dense sum, in fp32 at least;
+        computed in every forward, never kept (what a hook does can change between calls)."""
         with torch.no_grad():
-            eye = torch.eye(lora_A.weight.shape[1], device=x.device, dtype=x.dtype)
-            lora_weight = lora_B(lora_A(eye)).T
+            device = lora_A.weight.device if lora_A.weight.device.type != "meta" else x.device  # offloaded: x's
+            lora_weight = _lora_weight_through_modules(lora_A, device, lora_B)
             weight = _oriented(dequantize_module_weight(base_layer), self.fan_in_fan_out)
             acc = torch.promote_types(weight.dtype, torch.float32)
             dense = weight.to(acc) + float(scaling) * lora_weight.to(device=weight.device, dtype=acc)
@@ -796,10 +819,21 @@ class DoraEmbeddingLayer(DoraLinearLayer):
     """Magnitude vector of one adapter on an Embedding: one entry per embedding dimension (column of the table)."""
 
     @cache_decorator("weight-norm")
-    def get_weight_norm(self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None) -> torch.Tensor:
+    def get_weight_norm(
+        self, weight, lora_A=None, lora_B=None, scaling=None, adapter_name: Optional[str] = None, **kwargs
+    ) -> torch.Tensor:
         """Norm of each column of ``weight + scaling·(lora_B·lora_A)ᵀ``, with ``lora_A`` [r, num_embeddings] and
-        ``lora_B`` [embedding_dim, r] as stored in ``lora_embedding_A/B``; factored like the Linear case."""
+        ``lora_B`` [embedding_dim, r] as stored in ``lora_embedding_A/B``; factored like the Linear case (upstream's
+        dense form as the Linear's)."""
+        dense = _upstream_norm_args(lora_A, lora_B, scaling, kwargs)
+        if dense is not None:
+            return self._dense_norm(weight, *dense)
         return factored_row_norm(weight.T, lora_A, lora_B, scaling)
+
+    @cache_decorator("lora-weight")
+    def get_lora_weight(self, lora_A, lora_B, adapter_name: Optional[str] = None) -> torch.Tensor:
+        """Upstream's dense ``lora_weight`` of the embedding factors as the Embedding layer passes them."""
+        return (lora_A @ lora_B).T
 
     def forward(self, x, *, lora_A, lora_B, scaling, base_layer, embed_fn, adapter_name="default"):
         """Return ``(g, lora)``: the [embedding_dim] scale and the unscaled LoRA output ``embed(x, A) @ B``.
@@ -821,10 +855,24 @@ class _DoraConvNdLayer(DoraLinearLayer):
     """Magnitude of one adapter on a ConvNd layer, shaped [1, out_channels, 1, ...] as in upstream checkpoints."""
 
     @cache_decorator("weight-norm")
-    def get_weight_norm(self, weight, lora_A, lora_B, scaling, adapter_name: Optional[str] = None) -> torch.Tensor:
-        """Per-output-channel norm of the adapted conv weight, shaped [1, out_channels, 1, ...]."""
+    def get_weight_norm(
+        self, weight, lora_A=None, lora_B=None, scaling=None, adapter_name: Optional[str] = None, **kwargs
+    ) -> torch.Tensor:
+        """Per-output-channel norm of the adapted conv weight, shaped [1, out_channels, 1, ...] (upstream's dense
+        form too: ``get_weight_norm(weight, lora_weight, scaling)``)."""
+        dense = _upstream_norm_args(lora_A, lora_B, scaling, kwargs)
+        if dense is not None:
+            lora_weight, scale = dense
+            adapted = weight + scale * lora_weight.reshape(weight.shape)
+            return adapted.norm(p=2, dim=tuple(range(1, weight.dim())), keepdim=True).transpose(1, 0)
         norm = factored_conv_norm(weight, lora_A, lora_B, scaling)
         return norm.view((1, -1) + (1,) * (weight.dim() - 2))
+
+    @cache_decorator("lora-weight")
+    def get_lora_weight(self, lora_A, lora_B, adapter_name: Optional[str] = None) -> torch.Tensor:
+        """Upstream's dense ``lora_weight`` [out_channels, in_channels/groups·kernel] of the LoRA conv modules."""
+        r = lora_A.weight.shape[0]
+        return torch.mm(lora_B.weight.view([-1, r]), lora_A.weight.view([r, -1]))
 
     def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, adapter_name: str = "default"):
         """The DoRA delta to add to the base conv output."""
@@ -1219,6 +1267,26 @@ def _plain_linear(module: nn.Module) -> bool:
         and not (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)
         and not (_nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
     )
+
+
+def _upstream_norm_args(lora_A, lora_B, scaling, kwargs: dict) -> Optional[tuple]:
+    """``(lora_weight, scaling)`` where ``get_weight_norm`` was called in upstream's form, ``(weight, lora_weight,
+    scaling[, adapter_name])`` or with ``lora_weight=`` by name, else None (our factored form: A and B tensors)."""
+    unknown = set(kwargs) - {"lora_weight"}
+    if unknown:
+        raise TypeError(f"get_weight_norm() got unexpected keyword arguments {sorted(unknown)}")
+    if "lora_weight" in kwargs:
+        return kwargs["lora_weight"], scaling if scaling is not None else lora_A
+    if lora_B is not None and not isinstance(lora_B, torch.Tensor):  # upstream's scaling in B's place
+        return lora_A, lora_B
+    return None
+
+
+def _lora_weight_through_modules(lora_A: nn.Module, device, lora_B: nn.Module) -> torch.Tensor:
+    """``lora_B(lora_A(I))ᵀ`` [d_out, d_in], the identity in ``lora_A``'s dtype on ``device``: upstream's dense LoRA
+    weight of a Linear, computed through the modules as upstream computes it (their hooks see the call)."""
+    eye = torch.eye(lora_A.weight.shape[1], device=device, dtype=lora_A.weight.dtype)
+    return lora_B(lora_A(eye)).T
 
 
 def _acts_on_calls(lora_A: nn.Module, lora_B: nn.Module) -> bool:

@@ -690,7 +690,7 @@ def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monke
         calls = []
         handle = second.lora_A["default"].register_forward_hook(lambda *args: calls.append(1))
         check([True, False], "hook")
-        assert calls == [1, 1, 1, 1]  # ours and the fresh forward's, each for the norm's identity and for x (upstream's)
+        assert calls == [1, 1, 1, 1]  # ours and the fresh forward's, each for the norm's identity and x (upstream's)
         handle.remove()
         check([True, True], "hook removed")  # the record still holds: nothing it was made from changed
 

@@ -108,6 +108,9 @@ for kind in kinds:
     if mode == "save":
         model, x = make_adapter(kind)
         model.save_pretrained(d / "adapter")
+        if kind != "linear_nf4":  # the adapted layer pickled whole (torch.save(module)), with its output
+            torch.save(model.base_model.model.layer, d / "layer.pt")
+            torch.save(output(model.base_model.model.layer, x), d / "upstream_layer_out.pt")
     else:
         model, x = load_adapter(kind, d / "adapter")
     torch.save(output(model, x), d / "upstream_out.pt")
@@ -222,3 +225,36 @@ def test_both_sides_write_the_same_checkpoint(saved_by_ours, saved_by_upstream, 
     )
     ours_cfg.pop("auto_mapping"), theirs_cfg.pop("auto_mapping")
     assert ours_cfg == theirs_cfg
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "linear_nf4"])
+def test_whole_model_pickled_by_upstream_runs_in_ours(saved_by_upstream, kind):
+    """``torch.save(module)`` under upstream, ``torch.load`` under ours: upstream's DoRA modules unpickle into ours
+    without the attributes ours adds (``DoraLinearLayer.__setstate__`` fills them in) and give upstream's output."""
+    layer = torch.load(saved_by_upstream / kind / "layer.pt", weights_only=False)
+    assert type(layer.lora_magnitude_vector["default"]).__module__ == our_dora.__name__
+    _, x = _models["build_base"](kind)
+    assert_close(_models["output"](layer, x), torch.load(saved_by_upstream / kind / "upstream_layer_out.pt"))
+    layer.train()
+    layer(x).sum().backward()  # and trains on: a training forward keeps norms in what __setstate__ made
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding", "conv2d", "gpt2_conv1d"])
+def test_upstreams_norm_methods(kind):
+    """Outside code calls upstream's ``get_weight_norm(weight, lora_weight, scaling)`` (positionally or by name) and
+    ``get_lora_weight(lora_A, lora_B)`` on a DoRA module: ours answers both, with the norm its factored form gives."""
+    model, _ = _models["make_adapter"](kind)
+    layer = model.base_model.model.layer
+    dora_layer, s = layer.lora_magnitude_vector["default"], layer.scaling["default"]
+    weight = layer.get_base_layer().weight
+    if kind == "embedding":
+        a, b = layer.lora_embedding_A["default"].T, layer.lora_embedding_B["default"].T
+        factors = (a.T, b.T)
+    else:
+        a, b = layer.lora_A["default"], layer.lora_B["default"]
+        factors = (a.weight, b.weight)
+    lora_weight = dora_layer.get_lora_weight(a, b)
+    factored = dora_layer.get_weight_norm(weight, *factors, s)
+    for dense in (dora_layer.get_weight_norm(weight, lora_weight, s),
+                  dora_layer.get_weight_norm(weight=weight, lora_weight=lora_weight, scaling=s)):  # fmt: skip
+        assert_close(dense.reshape(-1), factored.reshape(-1).to(dense.dtype))
