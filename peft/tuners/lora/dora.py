@@ -1295,11 +1295,10 @@ def _acts_on_calls(lora_A: nn.Module, lora_B: nn.Module) -> bool:
     the norm, so a hook that changes their outputs changes the norm there; :meth:`DoraLinearLayer._norm_through_modules`
     follows it. Not DeepSpeed ZeRO-3's partitioned parameters, whose hooks only gather them (``dora._own_param``), nor
     global hooks (profilers', debuggers'): the weights give the same norm there."""
-    if not (lora_A._forward_hooks or lora_A._forward_pre_hooks or "forward" in lora_A.__dict__) and not (
-        lora_B._forward_hooks or lora_B._forward_pre_hooks or "forward" in lora_B.__dict__
-    ):
+    modules = (lora_A, lora_B)
+    if not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules):
         return False
-    return not any(hasattr(m._parameters.get("weight"), "ds_id") for m in (lora_A, lora_B))
+    return not any(hasattr(m._parameters.get("weight"), "ds_id") for m in modules)
 
 
 def _lora_output(lora_A: nn.Module, lora_B: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -25,11 +25,10 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .dora_graph import NormGraph, StorageNormGraph, same_objects
+from .dora_graph import NormGraph, StorageNormGraph, same_objects, storage_refs
 
 
 norm_counts: collections.Counter = collections.Counter()
@@ -137,7 +136,7 @@ class Memo:
 
     def put(self, tensors, value: torch.Tensor, extra=()) -> torch.Tensor:
         key = self._key(tensors, extra)
-        self.pins = storage_pins(tensors, key[2], self.pins)
+        self.pins = storage_pins(tensors, self.pins)
         self.refs, self.key, self.value = tuple(weakref.ref(t) for t in tensors), key, value
         return value
 
@@ -186,7 +185,7 @@ class StorageMemo(Memo):
         return None if self.dead() or self._key(tensors, extra) != self.key else self.value
 
     def put(self, tensors, value: torch.Tensor, extra=()) -> torch.Tensor:
-        self.refs = tuple(StorageWeakRef(t.untyped_storage()) for t in tensors)
+        self.refs = storage_refs(tensors)
         self.key, self.value = self._key(tensors, extra), value
         return value
 
@@ -283,7 +282,7 @@ class SmallRecord:
         # a bitsandbytes weight (Params4bit) has a Python __torch_function__: its key is read without it
         self.plain = all(type(t) is nn.Parameter for t in tensors)
         self.key = tensor_keys(tensors, self.plain)
-        self.pins = storage_pins(tensors, self.key)
+        self.pins = storage_pins(tensors)
         self.state, self.scaled_b, self.bias_term, self.g = state, scaled_b, bias_term, g
         self.cached = cached  # DoraCaching's norm it was made with (held: its identity is what the caller compares)
         # an inference tensor answers only in inference mode (as ``reused``'s do)
@@ -311,15 +310,14 @@ def tensor_keys(tensors, plain: bool = True) -> list:
             for t in tensors]  # fmt: skip
 
 
-def storage_pins(tensors, keys, held: tuple = ()) -> tuple:
-    """Weak references to the storages of ``tensors`` (whose :func:`tensor_keys` are ``keys``; ``held``: the pins
-    kept so far, reused where they are these storages'). A pinned ``StorageImpl`` stays allocated, its data does not:
-    no new storage can take its address, so a key's storage entry that compares equal is the very storage."""
-    cdatas = tuple(k[0] for k in keys)
-    if held and tuple(pin.cdata for pin in held) == cdatas:
-        return held
+def storage_pins(tensors, held: tuple = ()) -> tuple:
+    """The storages of ``tensors`` held weakly (``dora_graph.storage_refs``; ``held``: the pins kept so far, reused
+    where they are these storages'). A pinned ``StorageImpl`` stays allocated, its data does not: no new storage can
+    take its address, so a key's storage entry that compares equal is the very storage."""
     with _NO_TORCH_FUNCTION():
-        return tuple(StorageWeakRef(t.untyped_storage()) for t in tensors)
+        if held and tuple(pin.cdata for pin in held) == tuple(t.untyped_storage()._cdata for t in tensors):
+            return held
+        return storage_refs(tensors)
 
 
 class LayerReuse:

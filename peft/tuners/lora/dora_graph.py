@@ -83,6 +83,12 @@ def versions(tensors) -> tuple:
     return tuple(t._version for t in tensors)
 
 
+def storage_refs(tensors) -> tuple:
+    """Weak references to the tensors' storages: a referenced ``StorageImpl`` stays allocated, so no new storage can
+    take its address, while its data is freed as usual (``expired()`` then)."""
+    return tuple(StorageWeakRef(t.untyped_storage()) for t in tensors)
+
+
 def hand_out(out: torch.Tensor, written: list, state: tuple) -> torch.Tensor:
     """A graph's output buffer as a layer hands it out after a replay from inputs at ``state``: the buffer itself,
     its version moved on where the values changed (:func:`note_write`), or a copy of a buffer captured under
@@ -191,7 +197,7 @@ class StorageNormGraph(NormGraph):
 
     @staticmethod
     def _refs(tensors) -> tuple:
-        return tuple(StorageWeakRef(t.untyped_storage()) for t in tensors)
+        return storage_refs(tensors)
 
     def dead(self) -> bool:
         """Nothing kept, or a storage it was keyed on is gone (its table drops it)."""

@@ -505,7 +505,7 @@ def _make_record(sources: tuple, scale: float, frozen: bool, value: torch.Tensor
     record = _OpRecord()
     record.refs = tuple(weakref.ref(t, drop) for t in sources)
     record.layout = _OpRecord._layout(weight, lora_A, lora_B, scale)
-    record.pins = storage_pins(sources, [(cdata,) for cdata in record.layout[:3]])
+    record.pins = storage_pins(sources)
     record.value, record.inference = value, value.is_inference()
     record.state = _OpRecord._state(weight, lora_A, lora_B)
     captured = graph is not None and graph.graph is not None and not graph.failed
