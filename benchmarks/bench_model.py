@@ -1183,8 +1183,8 @@ def update_headline(doc: dict, path: Path) -> dict:
 
 def write_headline(kind: str, values: dict, path: Path) -> dict:
     """Read-modify-write ``path``: set the keys computed (not None), drop those the run could have measured but did
-    not (None: no older run's value stays), keep every other key (added by hand); returns the keys set. Only a GPU
-    run (``kind``) writes outside a ``cpu_smoke`` folder."""
+    not (None: no older run's value stays, nor its ``<key>_at``), keep every other key (added by hand); returns the
+    keys set. Only a GPU run (``kind``) writes outside a ``cpu_smoke`` folder."""
     if kind != "gpu" and "cpu_smoke" not in path.parts:
         raise SystemExit(f"refusing to write {kind} numbers into {path}: CPU runs write under results/cpu_smoke/")
     current = json.loads(path.read_text()) if path.exists() else {}
@@ -1192,6 +1192,8 @@ def write_headline(kind: str, values: dict, path: Path) -> dict:
     for k, v in values.items():
         if v is None:
             current.pop(k, None)
+            if not k.endswith("_at") and values.get(k + "_at") is None:
+                current.pop(k + "_at", None)  # where an older run measured it: gone with the value
     current.update(new)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")

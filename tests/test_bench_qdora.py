@@ -193,6 +193,12 @@ def test_headline_of_several_runs_takes_each_keys_worst_and_names_its_run(tmp_pa
     assert bench_qdora.main(argv) == 0
     written = json.loads(path.read_text())
     assert written["qdora_over_qlora_train"] == 1.2 and written["by_hand"] == 1
+    # a run that left a key unmeasured drops it, and with it where an older run had measured it
+    (tmp_path / "qdora_seq1024.json").write_text(json.dumps(short))
+    assert written["qdora_over_qlora_train_at"] == "nf4 r16 (qdora_seq1024.json)"
+    assert bench_qdora.main(argv) == 0
+    written = json.loads(path.read_text())
+    assert "qdora_over_qlora_train" not in written and "qdora_over_qlora_train_at" not in written
 
 
 def test_a_training_step_that_failed_its_gradient_proof_leaves_the_headline(tmp_path):
