@@ -480,9 +480,10 @@ class DoraLinearLayer(nn.Module):
         if type(self) is DoraLinearLayer and not (self.fan_in_fan_out or ENABLE_DORA_CACHING):
             record = self._reuse.record
             if record is not None and self.training and not capturing(()):
-                # the training norm's record (``dora_norm.eager_record``): one graph replay, or the recompute's
-                # reuse, after a few attribute reads
-                norm = record.answer(weight, lora_A, lora_B, float(scaling), 1, not weight.requires_grad, eager=True)
+                # the training norm's record (``dora_norm.eager_record``, ``eager_quant_record``): one graph replay,
+                # or the recompute's reuse, after a few attribute reads
+                frozen = type(weight) is dora_quant.QuantizedWeight or not weight.requires_grad
+                norm = record.answer(weight, lora_A, lora_B, float(scaling), 1, frozen, eager=True)
                 if norm is not None:
                     return norm
             shards = self._norm_shards(weight, lora_A, lora_B)
@@ -628,8 +629,9 @@ class DoraLinearLayer(nn.Module):
                 # quantized weight's chunked dequantization and GEMMs too: the graph reads its packed storage and
                 # scales)
                 norm = reuse.graph.run(*dora_norm.graph_key((*sources, lora_A, lora_B), w_sq, scaling), compute)
-                if graph_weight is weight and type(self) is DoraLinearLayer and not self.fan_in_fan_out:
-                    reuse.record = dora_norm.eager_record(reuse.graph, weight, lora_A, lora_B, scaling, w_sq, norm)
+                if type(self) is DoraLinearLayer and not self.fan_in_fan_out:
+                    made = dora_norm.eager_record if graph_weight is weight else dora_norm.eager_quant_record
+                    reuse.record = made(reuse.graph, weight, lora_A, lora_B, scaling, w_sq, norm)
                 return norm
             return compute()
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from . import dora_norm_triton
 from .dora_cache import (
+    _NO_TORCH_FUNCTION,
     _epoch,
     _merge_epoch,
     capturing,
@@ -37,7 +38,7 @@ from .dora_cache import (
     storage_pins,
 )
 from .dora_dispatch import records_grad
-from .dora_graph import graph_counts, hand_out, same_objects
+from .dora_graph import graph_counts, hand_out, same_objects, versions
 from .dora_launch import INTERPRET
 from .dora_settings import current as settings
 from .dora_settings import get_dora_norm_threshold_bytes
@@ -529,6 +530,78 @@ def eager_record(graph, weight, lora_A, lora_B, scale, w_sq, value) -> Optional[
     if not same_objects(graph.refs, tensors):
         return None
     return _make_record((weight, lora_A, lora_B), float(scale), not weight.requires_grad, value, graph, w_sq)
+
+
+class _QuantRecord:
+    """:func:`eager_record` for a bitsandbytes quantized W (``dora_quant.QuantizedWeight``, a new wrapper in every
+    forward): keyed on the tensors the wrapper stands for, the packed parameter and its scales (``sources``, objects
+    the layer keeps until a requantization or merge replaces them), with A and B. A training forward replays the norm
+    graph after one pass of checks, and its checkpoint recompute takes the forward's norm back, where the memos' path
+    keys those five or six tensors three times per forward (the norm's memo, the kept ``||W||²``'s, the graph's) and
+    once per recompute, each read of the packed parameter going through its Python ``__torch_function__``.
+
+    The same rules as :class:`_OpRecord`'s eager record: the very objects, storages, data pointers, layout and
+    dtypes, the scaling, the norm threshold and the settings it was made under; the kept norm while every version
+    and the epoch hold (in the recompute only); a replay while the sources' versions and the merge epoch are those
+    the graph's ``||W||²`` was computed at. Not made under FSDP2 (sharded sources, ``QuantizedWeight.versions``)."""
+
+    __slots__ = ("refs", "layout", "value", "state", "inference", "graph", "graph_state", "pins")
+
+    @staticmethod
+    def _read(tensors: tuple, weight, scale) -> tuple:
+        """(layout, state): what the graph was captured for, and the versions and epoch a kept norm is valid for."""
+        with _NO_TORCH_FUNCTION():  # Params4bit's Python __torch_function__: a call per read
+            layout = [(t.untyped_storage()._cdata, t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
+            state = (*versions(tensors), _epoch[0])
+        return (layout, weight.shape, weight.dtype, scale, get_dora_norm_threshold_bytes()), state
+
+    def answer(self, weight, lora_A, lora_B, scale, reuse, frozen, eager=True) -> Optional[torch.Tensor]:
+        """The norm for this training forward or recompute, or None where the memos' path must answer (``reuse`` and
+        ``frozen`` as :meth:`_OpRecord.answer` takes them: a quantized W never trains)."""
+        if settings() is not self.graph_state[0] or type(weight).__name__ != "QuantizedWeight" or weight.versions:
+            return None
+        tensors = (*weight.sources, lora_A, lora_B)
+        if not same_objects(self.refs, tensors):
+            return None
+        layout, state = self._read(tensors, weight, scale)
+        if layout != self.layout:
+            return None
+        if torch._C._current_graph_task_id() != -1 and state == self.state:
+            if not self.inference or torch.is_inference_mode_enabled():
+                norm_counts["norm_reused"] += 1
+                return self.value
+        graph, out, w_sq, written = self.graph
+        w_sq_state = None if w_sq is None else (state[: len(weight.sources)], _merge_epoch[0])
+        if self.graph_state[1:] != (frozen, w_sq_state):
+            return None
+        norm_counts["norm_computed"] += 1
+        if w_sq is not None:
+            norm_counts["w_sq_reused"] += 1
+        graph.replay()
+        graph_counts["replayed"] += 1
+        value = hand_out(out, written, state[:-1] if w_sq is None else (*state[:-1], w_sq._version))
+        self.value, self.state, self.inference = value, state, torch.is_inference_mode_enabled()
+        return value
+
+
+def eager_quant_record(graph, weight, lora_A, lora_B, scale, w_sq, value) -> Optional[_QuantRecord]:
+    """:func:`eager_record` for a bitsandbytes quantized W (:class:`_QuantRecord`): None where the graph is not
+    captured or not keyed on these tensors, under FSDP2, ``PEFT_DORA_NORM_CACHE`` or ``PEFT_DORA_NORM_BATCH``."""
+    env = settings()
+    if graph.graph is None or graph.failed or env.norm_cache is not None or env.norm_batch or weight.versions:
+        return None
+    tensors = (*weight.sources, lora_A, lora_B)
+    if not same_objects(graph.refs, tensors if w_sq is None else (*tensors, w_sq)):
+        return None
+    record = _QuantRecord()
+    record.refs = tuple(weakref.ref(t) for t in tensors)
+    record.layout, record.state = _QuantRecord._read(tensors, weight, float(scale))
+    record.pins = storage_pins(tensors)
+    record.value, record.inference = value, value.is_inference()
+    record.graph = (graph.graph, graph.out, w_sq, graph.written)
+    w_sq_state = None if w_sq is None else (record.state[: len(weight.sources)], _merge_epoch[0])
+    record.graph_state = (env, True, w_sq_state)
+    return record
 
 
 def _on_default_stream(t: torch.Tensor) -> bool:

@@ -352,6 +352,87 @@ def test_recompute_reuses_the_norm_and_w_sq_survives_optimizer_steps():
     assert counts["w_sq_computed"] == layers and counts["w_sq_reused"] == layers, counts
 
 
+class _ReplayComputes:
+    """A captured norm graph on the CPU whose replay writes ``compute()`` of the tensors' current values into the
+    graph's output buffer, as a CUDA graph's replay reads its captured addresses."""
+
+    def __init__(self, out, compute):
+        self.out, self.compute, self.replays = out, compute, 0
+
+    def replay(self):
+        self.replays += 1
+        self.out.data.copy_(self.compute())
+
+
+@pytest.mark.parametrize("kind", ("nf4", "int8"))
+def test_training_record_of_a_quantized_layer_replays_and_is_never_stale(kind, monkeypatch):
+    """``dora_norm.eager_quant_record`` (made on a GPU once a quantized layer's norm graph is captured; here with a
+    CPU stand-in graph): training forwards replay the graph after one pass of checks and the checkpoint recompute
+    takes the forward's norm back. In-place edits of the scales, a requantized weight, optimizer steps, a new scaling
+    and new settings never get a stale norm; the gradients equal those of a model whose norms take the memos' path."""
+    from peft.tuners.lora import dora_graph, dora_norm
+
+    graphs = [True]
+    monkeypatch.setattr(dora_norm, "norm_graph_applies", lambda w, a, b: graphs[0])
+
+    def capture(self, device, compute):
+        out = compute()
+        self.graph, self.out = _ReplayComputes(out, compute), out
+        return out
+
+    monkeypatch.setattr(dora_graph.NormGraph, "_capture", capture)
+    models = [adapted(kind).train() for _ in range(2)]  # ours with records, the reference without graphs
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models]
+    gen = torch.Generator().manual_seed(0)
+    up_records = []  # the edited layer's record after each step (held: ids of dead objects are reused)
+    for step in range(7):
+        if step in (4, 5):
+            for m in models:
+                base = m.base_model.model.up.base_layer
+                with torch.no_grad():
+                    if step == 4:  # the scales edited in place: the graph's kept ||W||² is stale
+                        scales = dora_quant.QuantizedWeight(base, base.weight, dora_quant.quantized_kind(base.weight))
+                        scales = scales.sources[1]  # the blocks' (4-bit, nested: uint8) or the rows' (int8) scales
+                        scales.add_(1) if scales.dtype == torch.uint8 else scales.mul_(1.25)
+                    else:  # requantized: new objects the record does not hold
+                        replacement = bnb_linear(kind, 64, 96, seed=7)
+                        base.weight = replacement.weight
+                        if kind == "int8":
+                            base.state = replacement.state
+        x = torch.randn(2, 3, 64, generator=gen)
+        grads = []
+        for m, opt, with_graphs in zip(models, opts, (True, False)):
+            graphs[0] = with_graphs
+            dora.norm_counts.clear()
+            y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False)
+            y.float().square().mean().backward()
+            grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad})
+            opt.step()
+            opt.zero_grad()
+            if with_graphs:
+                counts = dict(dora.norm_counts)
+        for name, g in grads[0].items():
+            torch.testing.assert_close(g, grads[1][name], rtol=1e-6, atol=1e-7)
+        recs = [layer._reuse.record for layer in dora_layers(models[0])]
+        if step >= 2 and step not in (4, 5):  # captured at step 1; made again once the edits' memos took over
+            assert all(type(r) is dora_norm._QuantRecord for r in recs), step
+            assert counts["norm_reused"] == 2 and counts.get("w_sq_computed", 0) == 0, (step, counts)
+        up_records.append(recs[0])
+    # one record from the second step on, none while the edits' memos recompute, a new one after them
+    assert up_records[1] is up_records[3] is not None and up_records[6] is not None
+    assert up_records[4] is None and up_records[6] is not up_records[3]
+    layer, lin = dora_layers(models[0])[0], models[0].base_model.model.up
+    record, weight = layer._reuse.record, dora._forward_weight(lin.base_layer)
+    a, b, s = lin.lora_A["default"].weight, lin.lora_B["default"].weight, lin.scaling["default"]
+    assert record.answer(weight, a, b, s, 1, True) is not None  # what a training forward gets now
+    assert record.answer(weight, a, b, 2 * s, 1, True) is None  # another scaling
+    assert record.answer(weight, b, a, s, 1, True) is None  # other tensors
+    dora._invalidate_fused_cache()  # new settings: it answers under those it was made with only
+    assert record.answer(weight, a, b, s, 1, True) is None
+    models[0].eval()
+    assert layer._reuse.record is None
+
+
 @pytest.mark.parametrize("kind", ("nf4", "int8"))
 def test_requantized_weight_is_never_served_a_stale_norm(kind):
     """Replacing the quantized weight (what requantizing and upstream's bnb merge do) must end every kept value."""
