@@ -31,7 +31,10 @@ op's graphs (:class:`StorageNormGraph`) hand out copies: a compiled graph may re
 All graphs of a device capture into one shared memory pool: each capture's temporaries are freed when it ends
 and serve the next one, and graphs replay one at a time on the current stream, so the pool stays as large as
 the largest single norm's temporaries. That memory stays reserved while the graphs live (it is not counted by
-``torch.cuda.memory_allocated``, which replays never change).
+``torch.cuda.memory_allocated``, which replays never change). The pool holds temporaries only: a graph's output
+buffer is an ordinary allocation that the graph copies its norm into (:meth:`NormGraph._capture`), since a later
+capture's output in the pool may lie where an earlier graph's temporaries were, which that graph's replays
+overwrite.
 """
 
 from __future__ import annotations
@@ -156,17 +159,30 @@ class NormGraph:
 
     def _capture(self, device: torch.device, compute) -> Optional[torch.Tensor]:
         """Capture ``compute`` on the device's side stream and replay it once; None (and eager from now on for
-        this key) where the capture fails."""
+        this key) where the capture fails.
+
+        The output buffer is allocated outside the shared pool, before the capture, and the graph copies the norm
+        into it: the pool holds only temporaries, which every replay writes before it reads them. A buffer of the
+        pool's would lie where an earlier graph's temporaries were freed at the end of its capture, and that graph's
+        replays would overwrite it: a layer that captures again (new tensors, a new scaling, its ``||W||²`` kept
+        anew) after the layers behind it have captured theirs replays first in the next forward, and the layers
+        after it replaying theirs before its backward reads the buffer would hand that backward another norm."""
         pool, live, stream = _pool_and_stream(device.index if device.index is not None else torch.cuda.current_device())
         current = torch.cuda.current_stream(device)
         graph = torch.cuda.CUDAGraph()
         stream.wait_stream(current)
         try:
             with torch.cuda.stream(stream):
-                compute()  # warm-up on the capture stream: cuBLAS sets up its workspace for it outside the capture
+                # warm-up on the capture stream: cuBLAS sets up its workspace for it outside the capture
+                warm = compute()
+            out = torch.empty_like(
+                warm, memory_format=torch.contiguous_format
+            )  # the caching allocator's, current stream
+            del warm
+            with torch.cuda.stream(stream):
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
-                    out = compute()
+                    out.copy_(compute())
                 finally:
                     graph.capture_end()
         except RuntimeError:

@@ -252,3 +252,63 @@ def test_quantized_norm_graph_follows_optimizer_steps(kind):
             assert (replayed - before).abs().max() > 100 * 1e-5 * eager.abs().max()
         before = replayed.clone()
     assert graph_counts["replayed"] >= 4, dict(graph_counts)
+
+
+def _plain_adapted() -> nn.Module:
+    """Two bf16 Linears with fp32 DoRA adapters at r = 64 (autocast): the split norm, whose graph has temporaries."""
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(512, 1024, bias=False), nn.Linear(1024, 512, bias=False)).to("cuda", torch.bfloat16)
+    config = LoraConfig(r=64, lora_alpha=128, target_modules=["0", "1"], use_dora=True, init_lora_weights=False)
+    return perturb_magnitudes(get_peft_model(net, config))
+
+
+@pytest.mark.parametrize("kind", ("nf4", "int8", "plain"))
+def test_a_norm_graph_captured_again_trains_as_the_eager_norm(kind, monkeypatch):
+    """Six checkpointed training steps under autocast with norm graphs (and, on quantized layers, their records,
+    ``dora_norm.eager_quant_record``) give the gradients of the same model with norm graphs off
+    (``PEFT_DORA_NORM_GRAPH=0``). Before step 4 the first layer's frozen W (its scales, on quantized layers) is edited
+    in place, so its ``||W||²`` is kept anew and its graph captured again in step 5, after the second layer's: the
+    first layer's graph then replays first in each forward, and the second layer's replay runs before the first
+    layer's backward reads its norm. With graph outputs in the shared pool, the second graph's temporaries lay where
+    the first one's output was put (freed at the end of the second's capture), and step 5's gradients were wrong."""
+
+    def train(graphs: bool) -> list:
+        if graphs:
+            monkeypatch.delenv("PEFT_DORA_NORM_GRAPH", raising=False)
+        else:
+            monkeypatch.setenv("PEFT_DORA_NORM_GRAPH", "0")
+        dora._invalidate_fused_cache()
+        model = (_plain_adapted() if kind == "plain" else adapted(kind)).train()
+        first = next(m for m in model.modules() if hasattr(m, "lora_magnitude_vector"))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        steps = []
+        for step in range(6):
+            if step == 4:
+                base = first.base_layer
+                with torch.no_grad():
+                    if kind == "plain":
+                        base.weight.mul_(1.25)
+                    else:
+                        scales = dora_quant.QuantizedWeight(base, base.weight, dora_quant.quantized_kind(base.weight))
+                        scales = scales.sources[1]  # the blocks' (nested: uint8) or the rows' scales
+                        scales.add_(1) if scales.dtype == torch.uint8 else scales.mul_(1.25)
+            x = torch.randn(2, 128, 512, device="cuda", generator=gen)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+            y.float().square().mean().backward()
+            steps.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+            opt.step()
+            opt.zero_grad()
+        return steps
+
+    from peft.tuners.lora.dora_graph import graph_counts
+
+    graph_counts.clear()
+    ours = train(graphs=True)
+    assert graph_counts["captured"] >= 3 and graph_counts["replayed"] >= 8, dict(graph_counts)
+    reference = train(graphs=False)
+    dora._invalidate_fused_cache()
+    for step, (grads, ref) in enumerate(zip(ours, reference)):
+        for g, r in zip(grads, ref):
+            torch.testing.assert_close(g, r, rtol=2e-5, atol=1e-6, msg=lambda m, step=step: f"step {step}: {m}")
