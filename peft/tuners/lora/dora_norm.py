@@ -460,11 +460,7 @@ class _OpRecord:
         w_sq_state = self._w_sq_state(weight, w_sq)
         if (settings(), frozen, w_sq_state) != self.graph_state:
             return None
-        norm_counts["norm_computed"] += 1
-        if w_sq_state is not None:
-            norm_counts["w_sq_reused"] += 1
-        graph.replay()
-        graph_counts["replayed"] += 1
+        _replay_counted(graph, w_sq)
         inference = torch.is_inference_mode_enabled()
         if eager:  # the graph's output buffer, as the layer's graph hands it out (or a copy, captured in inference)
             value = hand_out(out, written, state[:3] if w_sq is None else (*state[:3], w_sq._version))
@@ -475,6 +471,15 @@ class _OpRecord:
         # their versions then: a state that differs from this one unless the values are the same)
         self.value, self.state, self.inference = out, state, inference
         return out.clone()
+
+
+def _replay_counted(graph, w_sq) -> None:
+    """One replay of a record's norm graph, counted as a norm computed (and ``||W||²`` reused where it reads one)."""
+    norm_counts["norm_computed"] += 1
+    if w_sq is not None:
+        norm_counts["w_sq_reused"] += 1
+    graph.replay()
+    graph_counts["replayed"] += 1
 
 
 _op_records: dict = {}  # (id(W), id(A), id(B)) -> _OpRecord; dropped when one of the three objects dies
@@ -574,11 +579,7 @@ class _QuantRecord:
         w_sq_state = None if w_sq is None else (state[: len(weight.sources)], _merge_epoch[0])
         if self.graph_state[1:] != (frozen, w_sq_state):
             return None
-        norm_counts["norm_computed"] += 1
-        if w_sq is not None:
-            norm_counts["w_sq_reused"] += 1
-        graph.replay()
-        graph_counts["replayed"] += 1
+        _replay_counted(graph, w_sq)
         value = hand_out(out, written, state[:-1] if w_sq is None else (*state[:-1], w_sq._version))
         self.value, self.state, self.inference = value, state, torch.is_inference_mode_enabled()
         return value
