@@ -144,6 +144,17 @@ def bnb_linear(kind: str, d_in: int, d_out: int, bias: bool = False, seed: int =
     return layer.to(device)
 
 
+def edit_scales_in_place(base_layer: nn.Module) -> None:
+    """Change a bitsandbytes layer's quantization scales in place (its W with them): the blocks' scales of a 4-bit
+    weight (nested: their uint8 codes) or LLM.int8's row scales, the tensors DoRA's kept ``||W||²`` is keyed on."""
+    from peft.tuners.lora import dora_quant
+
+    weight = base_layer.weight
+    scales = dora_quant.QuantizedWeight(base_layer, weight, dora_quant.quantized_kind(weight)).sources[1]
+    with torch.no_grad():
+        scales.add_(1) if scales.dtype == torch.uint8 else scales.mul_(1.25)
+
+
 class BnbNet(nn.Module):
     """Two bitsandbytes projections (``dims`` = in, middle, out) with an fp32 LayerNorm between them: the QLoRA
     recipe's fp32 hidden states in small."""

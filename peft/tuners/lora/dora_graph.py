@@ -175,9 +175,8 @@ class NormGraph:
             with torch.cuda.stream(stream):
                 # warm-up on the capture stream: cuBLAS sets up its workspace for it outside the capture
                 warm = compute()
-            out = torch.empty_like(
-                warm, memory_format=torch.contiguous_format
-            )  # the caching allocator's, current stream
+            # the caching allocator's (not the pool's), on the current stream
+            out = torch.empty_like(warm, memory_format=torch.contiguous_format)
             del warm
             with torch.cuda.stream(stream):
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")

@@ -560,6 +560,12 @@ class _QuantRecord:
             state = (*versions(tensors), _epoch[0])
         return (layout, weight.shape, weight.dtype, scale, get_dora_norm_threshold_bytes()), state
 
+    @staticmethod
+    def _w_sq_state(state: tuple, sources: int, w_sq) -> Optional[tuple]:
+        """What a kept ``||W||²`` is valid for (None: the graph reads none): the versions of the ``sources`` first
+        tensors of ``state`` (W's packed parameter and scales) and the merge epoch."""
+        return None if w_sq is None else (state[:sources], _merge_epoch[0])
+
     def answer(self, weight, lora_A, lora_B, scale, reuse, frozen, eager=True) -> Optional[torch.Tensor]:
         """The norm for this training forward or recompute, or None where the memos' path must answer (``reuse`` and
         ``frozen`` as :meth:`_OpRecord.answer` takes them: a quantized W never trains)."""
@@ -576,8 +582,7 @@ class _QuantRecord:
                 norm_counts["norm_reused"] += 1
                 return self.value
         graph, out, w_sq, written = self.graph
-        w_sq_state = None if w_sq is None else (state[: len(weight.sources)], _merge_epoch[0])
-        if self.graph_state[1:] != (frozen, w_sq_state):
+        if self.graph_state[1:] != (frozen, self._w_sq_state(state, len(weight.sources), w_sq)):
             return None
         _replay_counted(graph, w_sq)
         value = hand_out(out, written, state[:-1] if w_sq is None else (*state[:-1], w_sq._version))
@@ -600,8 +605,7 @@ def eager_quant_record(graph, weight, lora_A, lora_B, scale, w_sq, value) -> Opt
     record.pins = storage_pins(tensors)
     record.value, record.inference = value, value.is_inference()
     record.graph = (graph.graph, graph.out, w_sq, graph.written)
-    w_sq_state = None if w_sq is None else (record.state[: len(weight.sources)], _merge_epoch[0])
-    record.graph_state = (env, True, w_sq_state)
+    record.graph_state = (env, True, _QuantRecord._w_sq_state(record.state, len(weight.sources), w_sq))
     return record
 
 

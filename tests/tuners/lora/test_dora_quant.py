@@ -22,6 +22,7 @@ from dora_testing import (
     assert_close,
     assert_initial_magnitude_is_upstreams,
     bnb_linear,
+    edit_scales_in_place,
     perturb_magnitudes,
     to_upstream,
 )
@@ -389,16 +390,13 @@ def test_training_record_of_a_quantized_layer_replays_and_is_never_stale(kind, m
         if step in (4, 5):
             for m in models:
                 base = m.base_model.model.up.base_layer
-                with torch.no_grad():
-                    if step == 4:  # the scales edited in place: the graph's kept ||W||² is stale
-                        scales = dora_quant.QuantizedWeight(base, base.weight, dora_quant.quantized_kind(base.weight))
-                        scales = scales.sources[1]  # the blocks' (4-bit, nested: uint8) or the rows' (int8) scales
-                        scales.add_(1) if scales.dtype == torch.uint8 else scales.mul_(1.25)
-                    else:  # requantized: new objects the record does not hold
-                        replacement = bnb_linear(kind, 64, 96, seed=7)
-                        base.weight = replacement.weight
-                        if kind == "int8":
-                            base.state = replacement.state
+                if step == 4:  # the scales edited in place: the graph's kept ||W||² is stale
+                    edit_scales_in_place(base)
+                else:  # requantized: new objects the record does not hold
+                    replacement = bnb_linear(kind, 64, 96, seed=7)
+                    base.weight = replacement.weight
+                    if kind == "int8":
+                        base.state = replacement.state
         x = torch.randn(2, 3, 64, generator=gen)
         grads = []
         for m, opt, with_graphs in zip(models, opts, (True, False)):
