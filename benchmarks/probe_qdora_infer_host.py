@@ -1,0 +1,118 @@
+"""Where a QDoRA eval forward's extra host time goes at 1024 tokens, without a profiler.
+
+``bench_qdora.py`` measured QDoRA's eval forward at 1.21-1.23x QLoRA's (NF4, r 16/64, seq 1024, paired), with a host
+issue time about twice QLoRA's in the separately timed measure, while ``profile_qdora.py --measure infer`` found the
+GPU busy for as long as QLoRA's, as many launches, and Python within 1 ms under cProfile. This times the forward on
+the real host for a QDoRA adapter and its QLoRA twin on one quantized base (``set_adapter`` between them), in
+alternating rounds: ``issue_ms``, ``perf_counter`` from an idle GPU to the call's return (the host's issue time), and
+``wall_ms``, to the end of the GPU work; variants: ``as_is``; ``eager`` (``PEFT_DORA_FUSED=0``: no Triton launch, the
+PyTorch tiers); ``syncs``, one more forward each under ``torch.cuda.set_sync_debug_mode("warn")`` counting the
+host-device syncs it makes.
+
+    PYTHONPATH=<ours> python benchmarks/probe_qdora_infer_host.py --out $OUT/probe_qdora_infer_host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import qdora_worker as qw  # noqa: E402
+from profile_qdora import model_spec  # noqa: E402
+
+
+def timed(model, ids, calls: int) -> dict:
+    issue, wall = [], []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            model(input_ids=ids, use_cache=False)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        issue.append((t1 - t0) * 1e3)
+        wall.append((t2 - t0) * 1e3)
+    return {"issue_ms": round(statistics.median(issue), 3), "wall_ms": round(statistics.median(wall), 3)}
+
+
+def syncs(model, ids) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                model(input_ids=ids, use_cache=False)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quant", default="nf4")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    import peft
+    from peft.tuners.lora import dora_settings
+
+    device = torch.device("cuda")
+    with tempfile.TemporaryDirectory() as d:
+        qw.build_model({"model": model_spec(args.layers), "seed": 0, "device": "cuda", "dir": d})
+        base = qw.load_quantized(d, args.quant, device)
+    ids = torch.randint(0, 128256, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
+    model = qw.wrap(base, args.rank, True)
+    qw.seed_adapters(model, 0, 1.0)
+    model.add_adapter("twin", qw.lora_config(args.rank, dora=False))
+    qw.seed_adapters(model, 0, 1.0, adapter="twin")
+    model.eval()
+    sides = {"qdora": "default", "qlora": "twin"}
+    variants = {"as_is": {}, "eager": {"fused": False}}
+    rounds = []
+    for r in range(args.rounds):
+        row = {}
+        for variant, fields in variants.items():
+            with dora_settings.override(**fields):
+                for side, adapter in sides.items() if r % 2 == 0 else reversed(sides.items()):
+                    model.set_adapter(adapter)
+                    model.eval()
+                    timed(model, ids, 2)  # warm-up: the kept norms and factors of this adapter and variant
+                    row[f"{variant}/{side}"] = timed(model, ids, args.calls)
+        rounds.append(row)
+        print(r, json.dumps(row))
+    result = {
+        "peft": Path(peft.__file__).parent.parent.name,
+        "gpu": torch.cuda.get_device_name(),
+        "args": vars(args),
+        "rounds": rounds,
+        "median": {
+            key: {m: round(statistics.median(x[key][m] for x in rounds), 3) for m in ("issue_ms", "wall_ms")}
+            for key in rounds[0]
+        },
+        "syncs_per_forward": {},
+    }
+    for side, adapter in sides.items():
+        model.set_adapter(adapter)
+        result["syncs_per_forward"][side] = syncs(model, ids)
+    print(json.dumps(result["median"], indent=1), result["syncs_per_forward"])
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
