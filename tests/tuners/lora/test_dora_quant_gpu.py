@@ -4,6 +4,8 @@ the same dequantized weights: ours' error is at most upstream's."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from dora_testing import BnbNet, assert_close, bnb_linear, edit_scales_in_place, perturb_magnitudes, to_upstream
@@ -170,6 +172,54 @@ def test_training_step_does_not_wait_for_the_gpu(kind, checkpoint):
         assert [memo.value for memo in memos] == [True, True]
         opt.step()
         opt.zero_grad()
+
+
+def _syncs(forward) -> int:
+    """How many synchronizing CUDA calls ``forward()`` makes (``set_sync_debug_mode("warn")`` warns once per call)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            forward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("kind", ("plain", *KINDS))
+def test_eval_forward_adds_no_host_sync(kind):
+    """A warmed-up eval forward (decode, small and one-pass tiers, autocast) makes no more host syncs than the same
+    model's LoRA twin adapter: a sync drains the GPU's queue in a host-bound forward. Counted against the twin, not
+    against zero: LLM.int8 finds its outlier columns with a sync of its own. (A probe of QDoRA's 1024-token eval
+    forward counted one more sync than QLoRA's, in a forward right after an adapter switch;
+    ``benchmarks/probe_qdora_infer_host.py``.)"""
+    if kind == "plain":
+        model = get_peft_model(
+            PlainNet(), LoraConfig(r=16, target_modules=["up", "down"], use_dora=True, init_lora_weights=False)
+        )
+    else:
+        model = adapted(kind)
+    model.add_adapter("twin", LoraConfig(r=16, lora_alpha=32, target_modules=["up", "down"], init_lora_weights=False))
+    counts, tiers = {}, set()
+    for tokens in (1, 64, 4096):
+        x = torch.randn(1, tokens, 512, device="cuda")
+        for name in ("default", "twin"):
+            model.set_adapter(name)
+            model.eval()
+
+            @torch.no_grad()
+            def forward():
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    model(x)
+
+            forward()
+            forward()  # warm-up: the kept norm, factors, records and plans of this adapter and shape
+            dora.tier_counts.clear()
+            counts[tokens, name] = _syncs(forward)
+            if name == "default":
+                tiers |= set(dora.tier_counts)
+    assert all(counts[t, "default"] <= counts[t, "twin"] for t in (1, 64, 4096)), counts
+    assert tiers and tiers <= {dora.TIER_DECODE, dora.TIER_SMALL_FORWARD, dora.TIER_FUSED_FORWARD}, tiers
 
 
 def test_two_adapters_trained_in_turn_do_not_wait_for_the_gpu():
