@@ -98,7 +98,7 @@ def main() -> int:
     result = {
         "peft": Path(peft.__file__).parent.parent.name,
         "gpu": torch.cuda.get_device_name(),
-        "args": vars(args),
+        "args": {k: v for k, v in vars(args).items() if k != "out"},  # no machine folders in a committed result
         "rounds": rounds,
         "median": {
             key: {m: round(statistics.median(x[key][m] for x in rounds), 3) for m in ("issue_ms", "wall_ms")}

@@ -42,11 +42,15 @@ RUNTIME_CALLS = ("LaunchKernel", "GraphLaunch", "Synchronize", "Memcpy", "HostAl
 
 
 def point_spec(label: str) -> tuple[dict, dict]:
-    """(model cfg for ``model_worker``, point) of a default-grid label, or of any label of the same form."""
+    """(model cfg for ``model_worker``, point) of a default-grid label, or of any label of the same form; the tiny
+    grid's shapes (``tiny_llama``, ``tiny_qwen``) are for CPU smoke runs."""
     shape, mode, rank, seq, batch, targets, dropout = label.split()[:7]
     point = dict(shape=shape, mode=mode, rank=int(rank[1:]), seq=int(seq[3:]), batch=int(batch[1:]),
                  targets=targets, dropout=float(dropout[4:]))  # fmt: skip
-    dims = dict(bm.GRID_SHAPES[shape])
+    shapes = {**bm.GRID_SHAPES, **bm.TINY_GRID_SHAPES}
+    if shape not in shapes:
+        raise SystemExit(f"{label!r}: no shape {shape!r} (choose from {', '.join(shapes)})")
+    dims = dict(shapes[shape])
     config_class, model_class = dims.pop("config_class"), dims.pop("model_class")
     kwargs = dict(dims, vocab_size=32000, max_position_embeddings=8192, initializer_range=0.02)
     cfg = dict(config_class=config_class, model_class=model_class, config_kwargs=kwargs, seed=0,
