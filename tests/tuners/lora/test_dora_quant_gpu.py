@@ -4,11 +4,10 @@ the same dequantized weights: ours' error is at most upstream's."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from dora_testing import BnbNet, assert_close, bnb_linear, edit_scales_in_place, perturb_magnitudes, to_upstream
+from sharded_training_worker import _counting_syncs  # the sync counter the multi-process tests use
 from torch import nn
 
 from peft import LoraConfig, get_peft_model
@@ -174,18 +173,6 @@ def test_training_step_does_not_wait_for_the_gpu(kind, checkpoint):
         opt.zero_grad()
 
 
-def _syncs(forward) -> int:
-    """How many synchronizing CUDA calls ``forward()`` makes (``set_sync_debug_mode("warn")`` warns once per call)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            forward()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
 @pytest.mark.parametrize("kind", ("plain", *KINDS))
 def test_eval_forward_adds_no_host_sync(kind):
     """A warmed-up eval forward (decode, small and one-pass tiers, autocast) makes no more host syncs than the same
@@ -215,7 +202,10 @@ def test_eval_forward_adds_no_host_sync(kind):
             forward()
             forward()  # warm-up: the kept norm, factors, records and plans of this adapter and shape
             dora.tier_counts.clear()
-            counts[tokens, name] = _syncs(forward)
+            syncs = []
+            with _counting_syncs(True, syncs):
+                forward()
+            counts[tokens, name] = syncs[0]
             if name == "default":
                 tiers |= set(dora.tier_counts)
     assert all(counts[t, "default"] <= counts[t, "twin"] for t in (1, 64, 4096)), counts
