@@ -347,7 +347,8 @@ def _gathered(params: list, modifier_rank=None):
 
 @contextlib.contextmanager
 def _counting_syncs(on: bool, counts: list):
-    """Count the synchronizing CUDA calls inside (``torch.cuda.set_sync_debug_mode("warn")`` warns once per call)."""
+    """Count the synchronizing CUDA calls inside (``torch.cuda.set_sync_debug_mode("warn")`` warns once per call; the
+    "prototype feature" notice it gives the first time a process turns it on is not one of them)."""
     if not on:
         yield
         return
@@ -358,7 +359,7 @@ def _counting_syncs(on: bool, counts: list):
             yield
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    counts.append(sum("called a synchronizing" in str(w.message) for w in caught))
 
 
 class _ZeroingSGD(torch.optim.SGD):
