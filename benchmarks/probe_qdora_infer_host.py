@@ -6,7 +6,10 @@ GPU busy for as long as QLoRA's, as many launches, and Python within 1 ms under 
 the real host for a QDoRA adapter and its QLoRA twin on one quantized base (``set_adapter`` between them), in
 alternating rounds: ``issue_ms``, ``perf_counter`` from an idle GPU to the call's return (the host's issue time), and
 ``wall_ms``, to the end of the GPU work; variants: ``as_is``; ``eager`` (``PEFT_DORA_FUSED=0``: no Triton launch, the
-PyTorch tiers); ``syncs``, one more forward each under ``torch.cuda.set_sync_debug_mode("warn")`` counting the
+PyTorch tiers); ``wide8M`` (``dora_dispatch.SMALL_FORWARD_WIDE_NUMEL`` raised to 2^23: an fp32 result beside the
+bf16 branch takes the small tier's PyTorch composition up to 2^23 outputs instead of the one-pass Triton kernel);
+``small64M`` (both small-tier limits at 2^26: every module of the model on the small tier). ``--variants`` picks
+them; ``syncs``, one more forward each under ``torch.cuda.set_sync_debug_mode("warn")`` counting the
 host-device syncs it makes.
 
     PYTHONPATH=<ours> python benchmarks/probe_qdora_infer_host.py --out $OUT/probe_qdora_infer_host.json
@@ -15,6 +18,7 @@ host-device syncs it makes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -29,6 +33,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import qdora_worker as qw  # noqa: E402
 from profile_qdora import model_spec  # noqa: E402
+
+
+VARIANTS = {
+    "as_is": ({}, {}),
+    "eager": ({"fused": False}, {}),
+    "wide8M": ({}, {"SMALL_FORWARD_WIDE_NUMEL": 1 << 23}),
+    "small64M": ({}, {"SMALL_FORWARD_WIDE_NUMEL": 1 << 26, "SMALL_FORWARD_NUMEL": 1 << 26}),
+}  # name -> (dora_settings.override fields, dora_dispatch limits for the variant)
+
+
+@contextlib.contextmanager
+def limits(values: dict):
+    from peft.tuners.lora import dora_dispatch
+
+    saved = {k: getattr(dora_dispatch, k) for k in values}
+    for k, v in values.items():
+        setattr(dora_dispatch, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(dora_dispatch, k, v)
 
 
 def timed(model, ids, calls: int) -> dict:
@@ -68,6 +94,7 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--variants", default="as_is,eager", help="comma-separated, of " + ",".join(VARIANTS))
     p.add_argument("--out", required=True)
     args = p.parse_args()
     import peft
@@ -84,12 +111,12 @@ def main() -> int:
     qw.seed_adapters(model, 0, 1.0, adapter="twin")
     model.eval()
     sides = {"qdora": "default", "qlora": "twin"}
-    variants = {"as_is": {}, "eager": {"fused": False}}
+    variants = {name: VARIANTS[name] for name in args.variants.split(",")}
     rounds = []
     for r in range(args.rounds):
         row = {}
-        for variant, fields in variants.items():
-            with dora_settings.override(**fields):
+        for variant, (fields, values) in variants.items():
+            with dora_settings.override(**fields), limits(values):
                 for side, adapter in sides.items() if r % 2 == 0 else reversed(sides.items()):
                     model.set_adapter(adapter)
                     model.eval()

@@ -38,7 +38,7 @@ def frames() -> list:
         path = f.filename.replace("\\", "/")
         hit = next((k for k in KEEP if k in path), None)
         if hit is not None:
-            out.append(f"{path[path.rindex(hit) + 1:]}:{f.lineno}({f.name})")
+            out.append(f"{path[path.rindex(hit) + 1 :]}:{f.lineno}({f.name})")
     return out[-8:]
 
 

@@ -347,9 +347,18 @@ class DoraLinearLayer(nn.Module):
             tier, strides = output
             record(self, tier)
             eps = eps_for(weight.dtype)
-            return dora_fused.run_fused_output(
+            out = dora_fused.run_fused_output(
                 result, lora, magnitude, weight_norm, scaling, eps, bias, strides, zero_free
             )
+            if (
+                plain is not None
+                and not (self.training or gates.grad)
+                and dora_settings.current().norm_cache is not False
+            ):
+                self._keep_one_pass_record(
+                    x, result, lora, base_layer, weight, plain, magnitude, bias, scaling, adapter_name, weight_norm, eps
+                )
+            return out
         g = self._scale(weight_norm, weight.dtype)
         base_result = result if bias is None else result - bias
         return result + self._compose(lora, base_result, g, scaling, gates)
@@ -732,6 +741,17 @@ class DoraLinearLayer(nn.Module):
             scaled_b, bias_term = kept[2], kept[3]
         else:  # _small_output took the fp32 composition
             scaled_b, bias_term = None, (rows[2] if len(rows) > 2 else None)
+        tensors = self._record_tensors(base_layer, weight, weight_a, weight_b, magnitude, bias)
+        if tensors is None:
+            return
+        state = _small_state(x, result, scaling)
+        cached = self._cache_get(f"weight-norm-{adapter_name}", None) if ENABLE_DORA_CACHING else None
+        self._reuse.small = SmallRecord(tensors, state, scaled_b, bias_term, rows[1], cached)
+
+    def _record_tensors(self, base_layer, weight, weight_a, weight_b, magnitude, bias) -> Optional[tuple]:
+        """The tensors an eval forward's record is keyed on (:func:`_small_tensors`), where they are the very ones
+        this forward used and their changes show in their versions and storage (not sharded, gathered or wrapped);
+        else None."""
         tensors = _small_tensors(self, base_layer, (weight_a, weight_b))
         expected = (*_weight_sources(weight), weight_a, weight_b, magnitude) + (() if bias is None else (bias,))
         if (
@@ -739,10 +759,27 @@ class DoraLinearLayer(nn.Module):
             or _weight_versions(weight) or any(t is not e for t, e in zip(tensors, expected))
             or not identity_tracked(tensors) or dora_dist.stand_ins(tensors) is not None
         ):  # fmt: skip
+            return None
+        return tensors
+
+    def _keep_one_pass_record(
+        self, x, result, lora, base_layer, weight, plain, magnitude, bias, scaling, adapter_name, weight_norm, eps
+    ) -> None:
+        """After an eval forward on the one-pass output kernel: a :class:`dora_cache.SmallRecord` of it holding its
+        own copy of the norm (the memo's may be a graph's buffer that a later replay rewrites), for
+        :meth:`_recorded_one_pass`; kept only where the kernel wrote rows of ``result``'s width (both contiguous),
+        which is what the recorded forward checks again."""
+        d_out = result.shape[-1] if result.dim() else 0
+        if not (result.is_contiguous() and lora.is_contiguous()) or lora.shape != result.shape or d_out == 0:
+            return
+        tensors = self._record_tensors(base_layer, weight, *plain, magnitude, bias)
+        if tensors is None:
             return
         state = _small_state(x, result, scaling)
         cached = self._cache_get(f"weight-norm-{adapter_name}", None) if ENABLE_DORA_CACHING else None
-        self._reuse.small = SmallRecord(tensors, state, scaled_b, bias_term, rows[1], cached)
+        wide = result.dtype != lora.dtype
+        norm = weight_norm.detach().clone()
+        self._reuse.one_pass = SmallRecord(tensors, state, None, None, None, cached, norm, float(eps), wide)
 
     def recorded_small_output(
         self, x, result, lora_A, lora_B, scaling, base_layer, adapter_name="default"
@@ -752,25 +789,31 @@ class DoraLinearLayer(nn.Module):
         capture, hooks on the branch, ``DoraCaching``'s entry); None where any fails (the full path then decides).
         This is what keeps a host-bound eval forward at LoRA's cost: the gates and memo lookups it skips cost more
         host time than its ops."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or self.training or torch.is_grad_enabled():
             return None
-        kept = self._reuse.small
-        if kept is None or self.training or torch.is_grad_enabled():
-            return None
-        if ENABLE_DORA_CACHING and self._dora_cache.get(f"weight-norm-{adapter_name}") is not kept.cached:
-            return None  # DoraCaching's norm, kept until train() whatever the weights do: the record's, or none
         numel = result.numel()
-        if numel > dora_dispatch.SMALL_FORWARD_NUMEL:
-            return None  # the one-pass kernel's
         if numel <= dora_dispatch.DECODE_MAX_ROWS * result.shape[-1] and dora_settings.current().decode_kernels:
             return None  # the decode tier's
+        kept = self._reuse.small
+        if (
+            kept is None
+            or numel > dora_dispatch.SMALL_FORWARD_NUMEL
+            or (kept.scaled_b is None and numel > dora_dispatch.SMALL_FORWARD_WIDE_NUMEL)
+        ):
+            # above the small tier's limit (an fp32 result beside a half branch has its own): the one-pass kernel's
+            kept = self._reuse.one_pass
+            limit = dora_dispatch.SMALL_FORWARD_WIDE_NUMEL if kept is not None and kept.wide else None
+            if kept is None or numel <= (dora_dispatch.SMALL_FORWARD_NUMEL if limit is None else limit):
+                return None
+        if ENABLE_DORA_CACHING and self._dora_cache.get(f"weight-norm-{adapter_name}") is not kept.cached:
+            return None  # DoraCaching's norm, kept until train() whatever the weights do: the record's, or none
         plain = _plain_branch(lora_A, lora_B)
         tensors = None if plain is None else _small_tensors(self, base_layer, plain)
         if tensors is None or capturing(()) or not kept.holds(tensors, _small_state(x, result, scaling)):
             return None
-        if kept.scaled_b is None:  # _small_output's fp32 composition
-            if numel > dora_dispatch.SMALL_FORWARD_WIDE_NUMEL:
-                return None
+        if kept.norm is not None:
+            return self._recorded_one_pass(kept, x, result, plain, tensors, scaling, base_layer)
+        if kept.scaled_b is None:  # _small_output's fp32 composition (numel within its limit, checked above)
             out = _small_fp32(x, result, *plain, float(scaling), kept.g, kept.bias_term)
         else:
             out = _small_folded(x, result, plain[0], kept.scaled_b, kept.bias_term, kept.g)
@@ -779,6 +822,22 @@ class DoraLinearLayer(nn.Module):
         record(self, TIER_SMALL_FORWARD)
         norm_counts["scale_reused"] += 1
         return out
+
+    def _recorded_one_pass(self, kept, x, result, plain, tensors, scaling, base_layer) -> Optional[torch.Tensor]:
+        """The one-pass output kernel's eval forward from its record: ``a = x·Aᵀ``, ``lora = a·Bᵀ`` and the kernel
+        with the record's norm, the same ops as :meth:`adapted_output`'s; None (the full path) where the outputs'
+        rows are not contiguous rows of ``result``'s width."""
+        if not result.is_contiguous():
+            return None
+        lora = F.linear(F.linear(x, plain[0]), plain[1])
+        if lora.shape != result.shape or not lora.is_contiguous() or lora._base is not None:
+            return None
+        bias = base_layer._parameters.get("bias")  # as _small_tensors read it: the record's last tensor, if any
+        magnitude = tensors[-1] if bias is None else tensors[-2]
+        d_out = result.shape[-1]
+        record(self, TIER_FUSED_FORWARD)
+        norm_counts["norm_reused"] += 1
+        return dora_fused.run_fused_output(result, lora, magnitude, kept.norm, scaling, kept.eps, bias, (d_out, d_out))
 
     def _scaled_b(self, weight_b, factors, scaling: float, dtype: torch.dtype) -> tuple:
         """(``s·g·B`` [d_out, r], ``(1 − g)·bias`` or None) in ``dtype``, the products taken in fp32 (or wider). Kept

@@ -273,11 +273,22 @@ class SmallRecord:
     was made under; the caller checks the rest of the small tier's gates on every forward (eval, no autograd, the
     output's size, no compile or capture, a plain branch, ``DoraCaching``'s entry). Weak references: a replaced
     parameter is not kept alive.
+
+    The same record serves an eval forward on the one-pass output kernel (``norm`` set: its own copy of the
+    forward's fp32 norm, with ``eps`` and whether ``result`` was wider than the branch; ``DoraLinearLayer
+    ._recorded_one_pass``), for outputs above the small tier's limit: there it skips the gates, the norm's memo
+    lookup and the kernel's layout checks, which a host-bound forward (QLoRA's 1024-token eval, small models at long
+    sequences) waits on.
     """
 
-    __slots__ = ("refs", "key", "state", "inference", "plain", "scaled_b", "bias_term", "g", "cached", "pins")
+    __slots__ = (
+        "refs", "key", "state", "inference", "plain", "scaled_b", "bias_term", "g", "cached", "pins", "norm", "eps",
+        "wide",
+    )  # fmt: skip
 
-    def __init__(self, tensors, state: tuple, scaled_b, bias_term, g, cached=None) -> None:
+    def __init__(
+        self, tensors, state: tuple, scaled_b, bias_term, g, cached=None, norm=None, eps=0.0, wide=False
+    ) -> None:
         self.refs = tuple(weakref.ref(t) for t in tensors)
         # a bitsandbytes weight (Params4bit) has a Python __torch_function__: its key is read without it
         self.plain = all(type(t) is nn.Parameter for t in tensors)
@@ -285,8 +296,9 @@ class SmallRecord:
         self.pins = storage_pins(tensors)
         self.state, self.scaled_b, self.bias_term, self.g = state, scaled_b, bias_term, g
         self.cached = cached  # DoraCaching's norm it was made with (held: its identity is what the caller compares)
+        self.norm, self.eps, self.wide = norm, eps, wide
         # an inference tensor answers only in inference mode (as ``reused``'s do)
-        self.inference = any(t is not None and t.is_inference() for t in (g, scaled_b, bias_term))
+        self.inference = any(t is not None and t.is_inference() for t in (g, scaled_b, bias_term, norm))
 
     def holds(self, tensors, state: tuple) -> bool:
         """Whether the record answers for these tensors (the same objects, unchanged) and this state."""
@@ -346,13 +358,14 @@ class LayerReuse:
     keyed on, while they hold (``NormShards.holds``). ``record``: a training norm taken from ``graph``
     (``dora_norm.eager_record``), which answers the next training forwards and their recompute ahead of 2 and 4
     while its objects, layout, versions and settings hold. ``small``: the latest small-tier eval forward
-    (:class:`SmallRecord`), which answers the next ones ahead of all of the above while its tensors and state hold.
+    (:class:`SmallRecord`), which answers the next ones ahead of all of the above while its tensors and state hold;
+    ``one_pass``: the same for the latest eval forward on the one-pass output kernel.
     ``clear`` forgets all of it; copies and pickles of a layer start empty.
     """
 
     __slots__ = (
         "norm", "w_sq", "scale", "factors", "rows", "scaled_b", "graph", "decode", "zero_free", "batched", "record",
-        "small", "shards",
+        "small", "one_pass", "shards",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -360,13 +373,14 @@ class LayerReuse:
         self.w_sq = Memo(frozen=True)  # a frozen W takes no optimizer steps
         self.graph = NormGraph()
         self.rows: tuple = ()
-        self.decode = self.record = self.scaled_b = self.small = self.shards = None
+        self.decode = self.record = self.scaled_b = self.small = self.one_pass = self.shards = None
 
     def clear(self, graph: bool = True) -> None:
         """Forget every kept value (``graph=False`` keeps the norm graph, which reads current values anyway)."""
         for memo in (self.norm, self.w_sq, self.scale, self.factors, self.zero_free, self.batched):
             memo.clear()
         self.rows, self.decode, self.record, self.scaled_b, self.small, self.shards = (), None, None, None, None, None
+        self.one_pass = None
         if graph:
             self.graph.clear()
 

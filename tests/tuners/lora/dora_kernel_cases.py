@@ -614,6 +614,58 @@ def test_small_tier_folds_the_scale_into_b(dora_switches, dora_env, monkeypatch,
             assert_close(out, want, dtype=torch.bfloat16)
 
 
+def test_records_beside_a_wider_result(dora_switches, dora_env, monkeypatch):
+    """An fp32 result beside the bf16 branch of autocast (bitsandbytes' layers under the QLoRA recipe): up to
+    SMALL_FORWARD_WIDE_NUMEL outputs the small tier's fp32 composition and its record, above it the one-pass kernel
+    and its record, each answering with the bits of the full path's forward for its own sizes only (the full path
+    decides the tier by the output's size, so must the records), and stepping aside when the weights change."""
+    from peft.tuners.lora import dora
+
+    dora_switches(decode_kernels=False)
+    peft_model = small_dora_model()
+    first = peft_model.base_model.model[0]
+    layer = first.lora_magnitude_vector["default"]
+    lora_A, lora_B = first.lora_A["default"], first.lora_B["default"]
+    scaling, base = first.scaling["default"], first.base_layer
+    small, large = torch.randn(2, 24), torch.randn(5, 24)  # 80 and 200 outputs
+    monkeypatch.setattr(dispatch, "SMALL_FORWARD_WIDE_NUMEL", 100)
+    args = dict(lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base)
+
+    def result(x):  # fp32, as bitsandbytes returns its input's dtype under autocast
+        with torch.autocast("cpu", enabled=False):
+            return base(x)
+
+    def full(x):
+        dora.tier_counts.clear()
+        out = layer.adapted_output(x, result(x), **args)
+        return out, next(iter(dora.tier_counts))
+
+    def recorded(x):
+        dora.tier_counts.clear()
+        out = layer.recorded_small_output(x, result(x), lora_A, lora_B, scaling, base)
+        return out, (next(iter(dora.tier_counts)) if dora.tier_counts else None)
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert result(small).dtype == torch.float32
+        assert recorded(small)[0] is None and recorded(large)[0] is None  # no records yet
+        want_small, tier = full(small)
+        assert tier == dora.TIER_SMALL_FORWARD and layer._reuse.small is not None and layer._reuse.one_pass is None
+        assert recorded(large)[0] is None  # the small record does not answer for the one-pass tier's sizes
+        want_large, tier = full(large)
+        assert tier == dora.TIER_FUSED_FORWARD and layer._reuse.one_pass is not None
+        expected = ((small, want_small, dora.TIER_SMALL_FORWARD), (large, want_large, dora.TIER_FUSED_FORWARD))
+        for x, want, tier in expected:
+            got, got_tier = recorded(x)
+            assert got_tier == tier and got.dtype == torch.float32 and torch.equal(got, want)
+        layer._reuse.small = None
+        assert recorded(small)[0] is None  # nor the one-pass record for the small tier's
+        lora_B.weight.mul_(1.5)
+        assert recorded(large)[0] is None  # stale: B changed
+        want_large, _ = full(large)
+        got, _ = recorded(large)
+        assert torch.equal(got, want_large)
+
+
 def counting_records(answered: list):
     """``DoraLinearLayer.recorded_small_output`` (as it is now) that appends to ``answered`` whether each call
     answered, for a test to patch in."""
@@ -629,19 +681,25 @@ def counting_records(answered: list):
     return counted
 
 
-def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monkeypatch):
+@pytest.mark.parametrize("tier", ("small_forward", "one_pass"))
+def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monkeypatch, tier):
     """An eval forward on the small tier keeps a record (``dora_cache.SmallRecord``) that answers the next ones in
-    three ops: the same bits as the full path while nothing changed; after each change below the output is a fresh
-    computation's (the eager tier's), never the record's stale one: in-place edits of W, A, B, m and the bias, a new
-    value through ``.data`` (a new storage), a ``.data`` write PyTorch cannot see followed by
-    ``invalidate_norm_caches()``, a new scaling, a replaced parameter object, a hook on ``lora_A`` (which must see the
-    call), autocast, new settings, ``DoraCaching``, a larger output, autograd in eval mode (the output must require
-    grad), an optimizer step, inference mode and training mode."""
+    three ops, and one on the one-pass output kernel (outputs above the small tier's limit, here made 0) a record
+    that answers with two matmuls and the kernel: the same bits as the full path while nothing changed; after each
+    change below the output is a fresh computation's (the eager tier's), never the record's stale one: in-place
+    edits of W, A, B, m and the bias, a new value through ``.data`` (a new storage), a ``.data`` write PyTorch cannot
+    see followed by ``invalidate_norm_caches()``, a new scaling, a replaced parameter object, a hook on ``lora_A``
+    (which must see the call), autocast, new settings, ``DoraCaching``, an output on the other tier, autograd in
+    eval mode (the output must require grad), an optimizer step, inference mode and training mode."""
     from torch import nn
 
     from peft.tuners.lora import dora
 
     dora_switches(decode_kernels=False)
+    one_pass = tier == "one_pass"
+    if one_pass:
+        monkeypatch.setattr(dispatch, "SMALL_FORWARD_NUMEL", 0)  # every output is "large"
+    own_tier = dora.TIER_FUSED_FORWARD if one_pass else dora.TIER_SMALL_FORWARD
     peft_model = small_dora_model()
     first, second = peft_model.base_model.model[0], peft_model.base_model.model[2]
     x = torch.randn(2, 3, 24)
@@ -664,7 +722,9 @@ def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monke
         answered.clear()
         again = peft_model(x)
         assert answered == [True, True] and torch.equal(again, full)
-        assert dict(dora.tier_counts) == {dora.TIER_SMALL_FORWARD: 2} and dora.norm_counts["scale_reused"] == 2
+        assert dict(dora.tier_counts) == {own_tier: 2}
+        assert dora.norm_counts["norm_reused" if one_pass else "scale_reused"] == 2
+        assert dict(dora.norm_counts).keys() == {"norm_reused" if one_pass else "scale_reused"}
 
         lora_B = first.lora_B["default"]
         changes = {  # what changes, and which layer's record must step aside
@@ -709,11 +769,17 @@ def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monke
         monkeypatch.setattr(dora, "ENABLE_DORA_CACHING", False)
         check([False, False], "after DoraCaching")
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(dispatch, "SMALL_FORWARD_NUMEL", 2 * 3 * 17 - 1)  # both outputs are now "large"
+            # both outputs on the other tier: "small" for the one-pass records, "large" for the small tier's
+            mp.setattr(dispatch, "SMALL_FORWARD_NUMEL", 2 * 3 * 40 if one_pass else 2 * 3 * 17 - 1)
             dora.tier_counts.clear()
-            check([False, False], "large")
-            assert dora.tier_counts[dora.TIER_FUSED_FORWARD] == 2
-        check([True, True], "small again")
+            check([False, False], "other tier")
+            assert dora.tier_counts[dora.TIER_SMALL_FORWARD if one_pass else dora.TIER_FUSED_FORWARD] == 2
+            dora.tier_counts.clear()
+            check([True, True], "other tier's record")  # each tier keeps its own record
+            assert dora.tier_counts[dora.TIER_SMALL_FORWARD if one_pass else dora.TIER_FUSED_FORWARD] == 2
+        dora.tier_counts.clear()
+        check([True, True], "own tier again")
+        assert dora.tier_counts[own_tier] == 2  # beside the fresh forward's eager ones
 
     # autograd in eval mode: the output keeps its graph to m
     answered.clear()
@@ -737,24 +803,27 @@ def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monke
     # training mode forgets the records and never asks them
     peft_model.train()
     layer = first.lora_magnitude_vector["default"]
-    assert layer._reuse.small is None
+    assert layer._reuse.small is None and layer._reuse.one_pass is None
     answered.clear()
     with torch.no_grad():
         peft_model(x)
     assert answered == []
 
 
-def test_small_record_under_dora_caching(dora_switches, dora_env, monkeypatch):
+@pytest.mark.parametrize("tier", ("small_forward", "one_pass"))
+def test_small_record_under_dora_caching(dora_switches, dora_env, monkeypatch, tier):
     """Under ``DoraCaching`` (upstream's semantics: the first cached eval forward's norm, kept until ``train()``
-    whatever the weights do) the small tier's record answers as the full path would, so caching costs no more than
-    it saves: the same bits as a forward with records switched off, after in-place edits of B (which the cached norm
-    ignores), after the cache is emptied (the record held its entry, so it steps aside), and on leaving the context
-    (records made under it step aside)."""
+    whatever the weights do) the small tier's record (and the one-pass kernel's) answers as the full path would, so
+    caching costs no more than it saves: the same bits as a forward with records switched off, after in-place edits
+    of B (which the cached norm ignores), after the cache is emptied (the record held its entry, so it steps aside),
+    and on leaving the context (records made under it step aside)."""
 
     from peft.helpers import DoraCaching
     from peft.tuners.lora import dora
 
     dora_switches(decode_kernels=False)
+    if tier == "one_pass":
+        monkeypatch.setattr(dispatch, "SMALL_FORWARD_NUMEL", 0)  # every output is "large"
     peft_model = small_dora_model()
     first = peft_model.base_model.model[0]
     x = torch.randn(2, 3, 24)
