@@ -772,6 +772,8 @@ class DoraLinearLayer(nn.Module):
         d_out = result.shape[-1] if result.dim() else 0
         if not (result.is_contiguous() and lora.is_contiguous()) or lora.shape != result.shape or d_out == 0:
             return
+        if capturing(()):
+            return  # the norm's copy would live in the capture's private pool, which its replays rewrite
         tensors = self._record_tensors(base_layer, weight, *plain, magnitude, bias)
         if tensors is None:
             return

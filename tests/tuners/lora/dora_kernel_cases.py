@@ -618,7 +618,8 @@ def test_records_beside_a_wider_result(dora_switches, dora_env, monkeypatch):
     """An fp32 result beside the bf16 branch of autocast (bitsandbytes' layers under the QLoRA recipe): up to
     SMALL_FORWARD_WIDE_NUMEL outputs the small tier's fp32 composition and its record, above it the one-pass kernel
     and its record, each answering with the bits of the full path's forward for its own sizes only (the full path
-    decides the tier by the output's size, so must the records), and stepping aside when the weights change."""
+    decides the tier by the output's size, so must the records), and stepping aside when the weights change. None is
+    made inside a CUDA graph capture, whose private pool the kept norm's copy would live in."""
     from peft.tuners.lora import dora
 
     dora_switches(decode_kernels=False)
@@ -648,6 +649,9 @@ def test_records_beside_a_wider_result(dora_switches, dora_env, monkeypatch):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert result(small).dtype == torch.float32
         assert recorded(small)[0] is None and recorded(large)[0] is None  # no records yet
+        with pytest.MonkeyPatch.context() as mp:  # inside a CUDA graph capture (a stand-in): nothing is kept
+            mp.setattr(dora, "capturing", lambda sources: True)
+            assert full(large)[1] == dora.TIER_FUSED_FORWARD and layer._reuse.one_pass is None
         want_small, tier = full(small)
         assert tier == dora.TIER_SMALL_FORWARD and layer._reuse.small is not None and layer._reuse.one_pass is None
         assert recorded(large)[0] is None  # the small record does not answer for the one-pass tier's sizes
