@@ -22,7 +22,6 @@ import contextlib
 import json
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import qdora_worker as qw  # noqa: E402
-from profile_qdora import model_spec  # noqa: E402
+from profile_qdora import quantized_base  # noqa: E402
 
 
 VARIANTS = {
@@ -101,10 +100,7 @@ def main() -> int:
     from peft.tuners.lora import dora_settings
 
     device = torch.device("cuda")
-    with tempfile.TemporaryDirectory() as d:
-        qw.build_model({"model": model_spec(args.layers), "seed": 0, "device": "cuda", "dir": d})
-        base = qw.load_quantized(d, args.quant, device)
-    ids = torch.randint(0, 128256, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
+    base, ids = quantized_base(args.quant, args.layers, args.seq, device)
     model = qw.wrap(base, args.rank, True)
     qw.seed_adapters(model, 0, 1.0)
     model.add_adapter("twin", qw.lora_config(args.rank, dora=False))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import traceback
 import warnings
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import qdora_worker as qw  # noqa: E402
-from profile_qdora import model_spec  # noqa: E402
+from profile_qdora import quantized_base  # noqa: E402
 
 
 KEEP = ("/peft/", "/bitsandbytes/", "/transformers/", "/torch/nn/", "/benchmarks/")
@@ -77,10 +76,7 @@ def main() -> int:
     import peft
 
     device = torch.device("cuda")
-    with tempfile.TemporaryDirectory() as d:
-        qw.build_model({"model": model_spec(args.layers), "seed": 0, "device": "cuda", "dir": d})
-        base = qw.load_quantized(d, args.quant, device)
-    ids = torch.randint(0, 128256, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
+    base, ids = quantized_base(args.quant, args.layers, args.seq, device)
     result = {
         "peft": Path(peft.__file__).parent.parent.name,
         "gpu": torch.cuda.get_device_name(),

@@ -31,6 +31,16 @@ def model_spec(layers: int) -> dict:
     )  # fmt: skip
 
 
+def quantized_base(quant: str, layers: int, seq: int, device: torch.device) -> tuple:
+    """(quantized Llama-8B-shaped base with ``layers`` decoder layers, one ``[1, seq]`` batch of token ids): the model
+    built (random, seeded) in a temporary folder and loaded back quantized, as ``qdora_worker`` does."""
+    with tempfile.TemporaryDirectory() as d:
+        qw.build_model({"model": model_spec(layers), "seed": 0, "device": "cuda", "dir": d})
+        base = qw.load_quantized(d, quant, device)
+    ids = torch.randint(0, 128256, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    return base, ids
+
+
 def table(prof, top: int) -> list:
     rows = []
     for e in prof.key_averages():
@@ -64,10 +74,7 @@ def main() -> int:
         "seq": args.seq,
         "measure": args.measure,
     }
-    with tempfile.TemporaryDirectory() as d:
-        qw.build_model({"model": model_spec(args.layers), "seed": 0, "device": "cuda", "dir": d})
-        base = qw.load_quantized(d, args.quant, device)
-    ids = torch.randint(0, 128256, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
+    base, ids = quantized_base(args.quant, args.layers, args.seq, device)
     for kind in ("qdora", "qlora"):
         model = qw.wrap(base, args.rank, kind == "qdora")
         qw.seed_adapters(model, 0, 1.0)
