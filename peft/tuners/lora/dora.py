@@ -1396,19 +1396,22 @@ def _small_fp32(x, result, weight_a, weight_b, scaling: float, g, bias_row) -> O
 
 def _small_tensors(layer: nn.Module, base_layer: nn.Module, plain: tuple) -> Optional[tuple]:
     """(W's sources, A, B, m[, bias]) for a :class:`dora_cache.SmallRecord`: a plain Linear's weight, or a
-    bitsandbytes 4-bit layer's packed weight and scales (``dora_quant.QuantizedWeight.sources``), with the layer's
-    magnitude and the bias as plain parameters; None for anything else (a framework's parameter dicts, wrapped or
-    8-bit weights)."""
+    bitsandbytes layer's quantized weight and scales (a 4-bit layer's packed weight and block scales, LLM.int8's
+    weight and row scales: ``dora_quant.QuantizedWeight.sources``), with the layer's magnitude and the bias as plain
+    parameters; None for anything else (a framework's parameter dicts, wrapped weights)."""
     params, own = base_layer._parameters, layer._parameters
     if type(params) is not dict or type(own) is not dict:
         return None  # DeepSpeed ZeRO-3's gathering dict
     weight, bias, magnitude = params.get("weight"), params.get("bias"), own.get("weight")
     if type(magnitude) is not nn.Parameter or not (bias is None or type(bias) is nn.Parameter):
         return None
+    kind = type(weight).__name__
     if type(base_layer) is nn.Linear and type(weight) is nn.Parameter:
         sources = (weight,)
-    elif type(weight).__name__ == "Params4bit" and weight.quant_state is not None:
+    elif kind == "Params4bit" and weight.quant_state is not None:
         sources = dora_quant.four_bit_sources(weight)
+    elif kind == "Int8Params" and dora_quant.int8_scales(base_layer, weight) is not None:
+        sources = (weight, dora_quant.int8_scales(base_layer, weight))
     else:
         return None
     return (*sources, *plain, magnitude) + (() if bias is None else (bias,))

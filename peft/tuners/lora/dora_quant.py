@@ -203,12 +203,18 @@ def _standard_storage(param: torch.Tensor, state) -> tuple:
     return codes.reshape(-1).view(torch.uint8), state.absmax.T.reshape(-1).float()
 
 
-def _int8_scales(layer: nn.Module, param: torch.Tensor) -> torch.Tensor:
-    """LLM.int8's per-row scales: on the parameter until the first forward, on the layer's state after."""
+def int8_scales(layer: nn.Module, param: torch.Tensor) -> Optional[torch.Tensor]:
+    """LLM.int8's per-row scales: on the parameter until the first forward, on the layer's state after; None before
+    the weight is quantized."""
     scb = getattr(param, "SCB", None)
     if scb is None:
-        state = getattr(layer, "state", None)
-        scb = getattr(state, "SCB", None)
+        scb = getattr(getattr(layer, "state", None), "SCB", None)
+    return scb
+
+
+def _int8_scales(layer: nn.Module, param: torch.Tensor) -> torch.Tensor:
+    """:func:`int8_scales`, which the norm cannot do without."""
+    scb = int8_scales(layer, param)
     if scb is None:
         raise RuntimeError(
             "DoRA on a bitsandbytes 8-bit layer: no SCB row scales on the weight or the layer's state (weights not "

@@ -222,14 +222,14 @@ def test_eval_matches_upstream_and_reuses_the_norm(kind, autocast):
 
 
 @pytest.mark.parametrize("hidden", (torch.bfloat16, torch.float32), ids=("bf16_hidden", "fp32_hidden"))
-@pytest.mark.parametrize("kind", ("nf4", "fp4"))
-def test_eval_record_of_a_4bit_layer_follows_its_storage(kind, hidden):
-    """Under autocast a 4-bit layer returns its input's dtype: a bf16 result takes the small tier's folded path, an
-    fp32 one (the QLoRA recipe's fp32 hidden states) its fp32 composition beside the bf16 branch (under the
+@pytest.mark.parametrize("kind", KINDS)
+def test_eval_record_of_a_quantized_layer_follows_its_storage(kind, hidden):
+    """Under autocast a bitsandbytes layer returns its input's dtype: a bf16 result takes the small tier's folded
+    path, an fp32 one (the QLoRA recipe's fp32 hidden states) its fp32 composition beside the bf16 branch (under the
     interpreter), and each keeps a record
-    (``dora_cache.SmallRecord``, keyed on the packed weight and its scales) answers the next forwards; an in-place
-    edit of a block's scale and a requantized weight each give upstream's fresh output, never the record's stale
-    one."""
+    (``dora_cache.SmallRecord``, keyed on the packed weight and its scales, or LLM.int8's weight and row scales)
+    answers the next forwards; an in-place edit of the scales and a requantized weight each give upstream's fresh
+    output, never the record's stale one."""
     model = adapted(kind).eval()
     # bitsandbytes returns its input's dtype: a bf16 input makes a bf16 result. The second layer (96 inputs): its
     # quantization blocks of 64 straddle rows, so a block's scale changes a row's direction, not only its length
@@ -254,16 +254,22 @@ def test_eval_record_of_a_4bit_layer_follows_its_storage(kind, hidden):
         assert kept is not None and (kept.scaled_b is None) is (hidden == torch.float32)
         assert dora.tier_counts == {dora.TIER_SMALL_FORWARD: 2} and dora.norm_counts["scale_reused"] == 1
     with torch.no_grad():
-        state = down.base_layer.weight.quant_state
-        # the scales, in place, so that rows get other norms: under double quantization the scales of the scales
-        # (the scales themselves are uint8 codes around an offset), else the first block's
-        if state.nested:
-            state.state2.absmax.mul_(10)
+        if kind == "int8":  # the row scales, in place
+            edit_scales_in_place(down.base_layer)
         else:
-            state.absmax[:1].mul_(1.5)
+            state = down.base_layer.weight.quant_state
+            # the scales, in place, so that rows get other norms: under double quantization the scales of the
+            # scales (the scales themselves are uint8 codes around an offset), else the first block's
+            if state.nested:
+                state.state2.absmax.mul_(10)
+            else:
+                state.absmax[:1].mul_(1.5)
     scaled = forward_against_upstream()
     assert not torch.allclose(before, scaled)
-    down.base_layer.weight = bnb_linear(kind, 96, 40, seed=7).weight  # requantized: a new packed weight
+    replacement = bnb_linear(kind, 96, 40, seed=7)
+    down.base_layer.weight = replacement.weight  # requantized: a new packed weight
+    if kind == "int8":
+        down.base_layer.state = replacement.state
     requantized = forward_against_upstream()
     assert not torch.allclose(scaled, requantized)
 
