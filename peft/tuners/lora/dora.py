@@ -1410,8 +1410,10 @@ def _small_tensors(layer: nn.Module, base_layer: nn.Module, plain: tuple) -> Opt
         sources = (weight,)
     elif kind == "Params4bit" and weight.quant_state is not None:
         sources = dora_quant.four_bit_sources(weight)
-    elif kind == "Int8Params" and dora_quant.int8_scales(base_layer, weight) is not None:
+    elif kind == "Int8Params":
         sources = (weight, dora_quant.int8_scales(base_layer, weight))
+        if sources[1] is None:
+            return None
     else:
         return None
     return (*sources, *plain, magnitude) + (() if bias is None else (bias,))
