@@ -804,8 +804,9 @@ class DoraLinearLayer(nn.Module):
         ):
             # above the small tier's limit (an fp32 result beside a half branch has its own): the one-pass kernel's
             kept = self._reuse.one_pass
-            limit = dora_dispatch.SMALL_FORWARD_WIDE_NUMEL if kept is not None and kept.wide else None
-            if kept is None or numel <= (dora_dispatch.SMALL_FORWARD_NUMEL if limit is None else limit):
+            if kept is None or numel <= (
+                dora_dispatch.SMALL_FORWARD_WIDE_NUMEL if kept.wide else dora_dispatch.SMALL_FORWARD_NUMEL
+            ):
                 return None
         if ENABLE_DORA_CACHING and self._dora_cache.get(f"weight-norm-{adapter_name}") is not kept.cached:
             return None  # DoraCaching's norm, kept until train() whatever the weights do: the record's, or none
