@@ -23,7 +23,6 @@ import json
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import qdora_worker as qw  # noqa: E402
+from probe_syncs import synced  # noqa: E402
 from profile_qdora import quantized_base  # noqa: E402
 
 
@@ -72,17 +72,13 @@ def timed(model, ids, calls: int) -> dict:
 
 
 def syncs(model, ids) -> int:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-                model(input_ids=ids, use_cache=False)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    # not the "prototype feature" notice of the first call that turns the mode on (it made the first side's count
-    # one too many)
-    return sum("called a synchronizing" in str(w.message) for w in caught)
+    """The host syncs of one eval forward (``probe_syncs.synced``: real syncs only, not the debug mode's notice)."""
+
+    def forward():
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            model(input_ids=ids, use_cache=False)
+
+    return len(synced(forward))
 
 
 def main() -> int:

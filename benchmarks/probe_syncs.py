@@ -44,24 +44,19 @@ def frames() -> list:
 def synced(step) -> list:
     """The syncs of one call of ``step``: each warning's message head and the frames that made it."""
     found = []
-    shown = warnings.showwarning
 
     def keep(message, category, filename, lineno, file=None, line=None):
         if "called a synchronizing" in str(message):  # not the mode's one-time "prototype feature" notice
             found.append({"message": str(message).splitlines()[0][:120], "frames": frames()})
 
-    warnings.showwarning = keep
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = keep
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-    finally:
-        warnings.showwarning = shown
+    with warnings.catch_warnings():  # restores warnings.showwarning on the way out
+        warnings.simplefilter("always")
+        warnings.showwarning = keep
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     return found
 
 
