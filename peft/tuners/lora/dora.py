@@ -746,7 +746,9 @@ class DoraLinearLayer(nn.Module):
             return
         state = _small_state(x, result, scaling)
         cached = self._cache_get(f"weight-norm-{adapter_name}", None) if ENABLE_DORA_CACHING else None
-        self._reuse.small = SmallRecord(tensors, state, scaled_b, bias_term, rows[1], cached)
+        self._reuse.keep_eval_record(
+            SmallRecord(tensors, state, scaled_b, bias_term, rows[1], cached), ENABLE_DORA_CACHING
+        )
 
     def _record_tensors(self, base_layer, weight, weight_a, weight_b, magnitude, bias) -> Optional[tuple]:
         """The tensors an eval forward's record is keyed on (:func:`_small_tensors`), where they are the very ones
@@ -781,7 +783,8 @@ class DoraLinearLayer(nn.Module):
         cached = self._cache_get(f"weight-norm-{adapter_name}", None) if ENABLE_DORA_CACHING else None
         wide = result.dtype != lora.dtype
         norm = weight_norm.detach().clone()
-        self._reuse.one_pass = SmallRecord(tensors, state, None, None, None, cached, norm, float(eps), wide)
+        record = SmallRecord(tensors, state, None, None, None, cached, norm, float(eps), wide)
+        self._reuse.keep_eval_record(record, ENABLE_DORA_CACHING)
 
     def recorded_small_output(
         self, x, result, lora_A, lora_B, scaling, base_layer, adapter_name="default"
@@ -796,14 +799,14 @@ class DoraLinearLayer(nn.Module):
         numel = result.numel()
         if numel <= dora_dispatch.DECODE_MAX_ROWS * result.shape[-1] and dora_settings.current().decode_kernels:
             return None  # the decode tier's
-        kept = self._reuse.small
+        kept, one_pass = self._reuse.eval_records(ENABLE_DORA_CACHING)
         if (
             kept is None
             or numel > dora_dispatch.SMALL_FORWARD_NUMEL
             or (kept.scaled_b is None and numel > dora_dispatch.SMALL_FORWARD_WIDE_NUMEL)
         ):
             # above the small tier's limit (an fp32 result beside a half branch has its own): the one-pass kernel's
-            kept = self._reuse.one_pass
+            kept = one_pass
             if kept is None or numel <= (
                 dora_dispatch.SMALL_FORWARD_WIDE_NUMEL if kept.wide else dora_dispatch.SMALL_FORWARD_NUMEL
             ):

@@ -359,13 +359,14 @@ class LayerReuse:
     (``dora_norm.eager_record``), which answers the next training forwards and their recompute ahead of 2 and 4
     while its objects, layout, versions and settings hold. ``small``: the latest small-tier eval forward
     (:class:`SmallRecord`), which answers the next ones ahead of all of the above while its tensors and state hold;
-    ``one_pass``: the same for the latest eval forward on the one-pass output kernel.
+    ``one_pass``: the same for the latest eval forward on the one-pass output kernel; ``small_cached`` and
+    ``one_pass_cached``: the two made under ``DoraCaching`` (:meth:`eval_records`).
     ``clear`` forgets all of it; copies and pickles of a layer start empty.
     """
 
     __slots__ = (
         "norm", "w_sq", "scale", "factors", "rows", "scaled_b", "graph", "decode", "zero_free", "batched", "record",
-        "small", "one_pass", "shards",
+        "small", "one_pass", "small_cached", "one_pass_cached", "shards",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -373,14 +374,26 @@ class LayerReuse:
         self.w_sq = Memo(frozen=True)  # a frozen W takes no optimizer steps
         self.graph = NormGraph()
         self.rows: tuple = ()
-        self.decode = self.record = self.scaled_b = self.small = self.one_pass = self.shards = None
+        self.decode = self.record = self.scaled_b = self.shards = None
+        self.small = self.one_pass = self.small_cached = self.one_pass_cached = None
+
+    def eval_records(self, caching: bool) -> tuple:
+        """(small, one-pass) eval records kept for ``DoraCaching`` on (``caching``) or off: a pair each, so forwards
+        that alternate between the two (a record's state holds the switch) answer from their own records instead of
+        replacing the other's in every forward, a norm copy each time."""
+        return (self.small_cached, self.one_pass_cached) if caching else (self.small, self.one_pass)
+
+    def keep_eval_record(self, record: SmallRecord, caching: bool) -> None:
+        """Keep ``record`` (a one-pass record where it holds a norm) in its place for ``DoraCaching`` on or off."""
+        name = "one_pass" if record.norm is not None else "small"
+        setattr(self, name + "_cached" if caching else name, record)
 
     def clear(self, graph: bool = True) -> None:
         """Forget every kept value (``graph=False`` keeps the norm graph, which reads current values anyway)."""
         for memo in (self.norm, self.w_sq, self.scale, self.factors, self.zero_free, self.batched):
             memo.clear()
-        self.rows, self.decode, self.record, self.scaled_b, self.small, self.shards = (), None, None, None, None, None
-        self.one_pass = None
+        self.rows, self.decode, self.record, self.scaled_b, self.shards = (), None, None, None, None
+        self.small = self.one_pass = self.small_cached = self.one_pass_cached = None
         if graph:
             self.graph.clear()
 

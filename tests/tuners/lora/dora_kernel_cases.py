@@ -820,7 +820,9 @@ def test_small_record_under_dora_caching(dora_switches, dora_env, monkeypatch, t
     whatever the weights do) the small tier's record (and the one-pass kernel's) answers as the full path would, so
     caching costs no more than it saves: the same bits as a forward with records switched off, after in-place edits
     of B (which the cached norm ignores), after the cache is emptied (the record held its entry, so it steps aside),
-    and on leaving the context (records made under it step aside)."""
+    and on leaving the context (records made under it step aside; those made before it answer where their tensors
+    held). Forwards that alternate between caching on and off answer from a record of each: a pair per layer, not
+    one that each forward replaces (as the grid's paired inference did, a norm copy per forward)."""
 
     from peft.helpers import DoraCaching
     from peft.tuners.lora import dora
@@ -861,8 +863,17 @@ def test_small_record_under_dora_caching(dora_switches, dora_env, monkeypatch, t
             first.lora_magnitude_vector["default"]._dora_cache.clear()
             as_without_records([False, True])  # its entry is gone: the full path computes and caches a new norm
             as_without_records([True, True])
-        fresh = as_without_records([False, False])  # records made under the cache step aside
+        # records made under the cache step aside; the first layer's from before it too (B changed since)
+        fresh = as_without_records([False, True])
         assert_close(fresh, eager_forward(peft_model, x), dtype=torch.float32)
+        for _ in range(3):
+            with DoraCaching():
+                as_without_records([True, True])
+            as_without_records([True, True])
+        first.lora_B["default"].weight.mul_(0.5)  # both of the first layer's records step aside
+        with DoraCaching():
+            as_without_records([False, True])
+        as_without_records([False, True])
 
 
 def dora_settings_changed():
