@@ -874,6 +874,9 @@ def test_small_record_under_dora_caching(dora_switches, dora_env, monkeypatch, t
         with DoraCaching():
             as_without_records([False, True])
         as_without_records([False, True])
+    peft_model.train()  # training mode forgets both pairs
+    reuse = first.lora_magnitude_vector["default"]._reuse
+    assert reuse.eval_records(True) == (None, None) and reuse.eval_records(False) == (None, None)
 
 
 def dora_settings_changed():
