@@ -879,6 +879,56 @@ def test_small_record_under_dora_caching(dora_switches, dora_env, monkeypatch, t
     assert reuse.eval_records(True) == (None, None) and reuse.eval_records(False) == (None, None)
 
 
+def test_eval_records_never_change_the_bits_in_a_random_sequence(dora_switches, monkeypatch):
+    """Two copies of one DoRA model take the same seeded random sequence of eval forwards (few and many rows,
+    ``DoraCaching`` on or off, no_grad or inference mode), in-place edits of B, m and W, train()/eval() and the small
+    tier's limit at 0 or its default: the copy whose layers answer from their records gives the bits of the copy whose
+    records never answer (the full path) after every forward."""
+    import contextlib
+    import random
+
+    from peft.helpers import DoraCaching
+    from peft.tuners.lora import dora
+
+    dora_switches(decode_kernels=False)
+    ours, full = small_dora_model(), small_dora_model()
+    recorded = dora.DoraLinearLayer.recorded_small_output
+    limit = dispatch.SMALL_FORWARD_NUMEL
+    rng = random.Random(0)
+    answered = []
+    counted = counting_records(answered)
+    for step in range(120):
+        op = rng.choice(("forward",) * 6 + ("B", "m", "W", "train", "limit"))
+        if op == "forward":
+            x = torch.randn(rng.choice((2, 11, 30)), 24, generator=torch.Generator().manual_seed(step))
+            caching, inference = rng.random() < 0.5, rng.random() < 0.5
+            outs = []
+            for model, records in ((ours, True), (full, False)):
+                answer = counted if records else (lambda *args: None)
+                monkeypatch.setattr(dora.DoraLinearLayer, "recorded_small_output", answer)
+                grad_mode = torch.inference_mode() if inference else torch.no_grad()
+                with grad_mode, DoraCaching() if caching else contextlib.nullcontext():
+                    outs.append(model(x).clone())
+            assert torch.equal(outs[0], outs[1]), (step, caching, inference)
+        elif op == "limit":
+            monkeypatch.setattr(dispatch, "SMALL_FORWARD_NUMEL", rng.choice((0, limit)))
+        else:
+            for model in (ours, full):
+                first, second = model.base_model.model[0], model.base_model.model[2]
+                with torch.no_grad():
+                    if op == "B":
+                        first.lora_B["default"].weight.mul_(1.1)
+                    elif op == "m":
+                        second.lora_magnitude_vector["default"].weight.add_(0.01)
+                    elif op == "W":
+                        second.base_layer.weight.mul_(0.99)
+                    else:
+                        model.train()
+                        model.eval()
+    monkeypatch.setattr(dora.DoraLinearLayer, "recorded_small_output", recorded)
+    assert answered.count(True) > 20 and answered.count(False) > 10  # records answered, and stepped aside
+
+
 def dora_settings_changed():
     """A context with other DoRA settings in force (a new snapshot)."""
     from peft.tuners.lora import dora_settings
