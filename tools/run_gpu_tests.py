@@ -103,7 +103,8 @@ def completed_counts(summary: str) -> tuple[dict[str, int], int]:
 
 def write_headline(summary_path: Path, headline: Path = RESULTS / "headline.json") -> dict:
     """``gpu_tests_passed``, ``gpu_tests_failed`` and ``gpu_tests_skipped`` in ``headline`` from a committed summary's
-    completed groups (a machine with one GPU skips the two-GPU tests), and ``gpu_tests_summary`` naming it (through the benchmarks' own read-modify-write, ``bench_model.write_headline``)."""
+    completed groups (a machine with one GPU skips the two-GPU tests), and ``gpu_tests_summary`` naming it (through
+    the benchmarks' own read-modify-write, ``bench_model.write_headline``)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import bench_model  # standard library only at import
 

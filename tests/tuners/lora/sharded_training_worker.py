@@ -116,6 +116,13 @@ def main() -> int:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
+        if args.device == "cpu":
+            # DeepSpeed's CPU backend would build its shared-memory all-reduce op (a C++ build, ~1 min on CI's two
+            # cores) before falling back to gloo's collectives anyway for these tensors; the op is a speed-up only
+            import deepspeed.comm.torch  # noqa: F401  (the package's own ``torch`` name is the torch module)
+
+            sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
         deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
     elif fsdp or world > 1:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
