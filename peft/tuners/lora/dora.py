@@ -179,6 +179,9 @@ class DoraLinearLayer(nn.Module):
         self.last_tier: Optional[str] = None  # the dispatch tier of the latest forward
         self._reuse = LayerReuse()  # what this layer keeps across forwards; not part of the state_dict
         self._dora_cache: dict[str, Any] = {}  # ENABLE_DORA_CACHING's values, under upstream's name
+        # torch.compile: the norm op's output saved through checkpointed regions, not recomputed (set here, in eager
+        # code: a pass set while Dynamo traces is traced, not run)
+        dora_norm.keep_norm_through_checkpoints()
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)

@@ -18,6 +18,7 @@ implementations runs (PyTorch, the one-pass and split Triton norms, a CUDA graph
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Optional
 
@@ -639,3 +640,58 @@ def compiled_weight_norm(layer: nn.Module, weight, lora_A, lora_B, scale) -> tor
     return torch.ops.peft.dora_weight_norm.default(
         weight.detach(), lora_A.detach(), lora_B.detach(), float(scale), reuse, not weight.requires_grad
     )
+
+
+_SAVE_NORM_PASS_ID = "peft-dora-save-norm-v1"
+
+
+def save_norm_in_checkpoints(graph) -> None:
+    """A joint-graph pass: the norm op's output is saved for the backward where a checkpointed region only *prefers*
+    recomputing it (plain activation checkpointing; a selective policy's own choice for the op stands). Inductor's
+    partitioner otherwise recomputes everything in such a region in the backward, the norm op too: a second call
+    per DoRA Linear and step for a vector the forward has just computed (Python on the host's critical path under
+    ``mode="default"``; under ``"reduce-overhead"`` the whole norm again, ``W`` read and all, inside the captured
+    graph). Saved instead: ``d_out`` floats per module from the forward to the backward, the value the recompute
+    would have returned (its op call answers from the forward's memo)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    op = torch.ops.peft.dora_weight_norm.default
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is op:
+            if node.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE:
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def keep_norm_through_checkpoints() -> None:
+    """Set :func:`save_norm_in_checkpoints` as Inductor's joint-graph pass (``joint_custom_pre_pass``, run before the
+    partitioner) where none is set: when a DoRA layer is made, in eager code (Dynamo would trace this, not run it).
+    The pass touches only the norm op's nodes; a backend other than Inductor never reads that setting. A pass the
+    user has set there stays alone (the op is then recomputed in checkpointed regions, as before), and one the user
+    sets later replaces ours."""
+    try:
+        from torch._inductor import config as inductor_config
+    except ImportError:
+        return
+    if inductor_config.joint_custom_pre_pass is None:
+        pass_type = _save_norm_pass_type()
+        if pass_type is not None:
+            inductor_config.joint_custom_pre_pass = pass_type()
+
+
+@functools.cache
+def _save_norm_pass_type():
+    """:func:`save_norm_in_checkpoints` as an Inductor ``CustomGraphPass`` (with an id for Inductor's caches), or None
+    where this Inductor has none."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:
+        return None
+
+    class SaveNormPass(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            save_norm_in_checkpoints(graph)
+
+        def uuid(self) -> str:
+            return _SAVE_NORM_PASS_ID
+
+    return SaveNormPass

@@ -415,3 +415,80 @@ def test_compiled_qdora_compiles_as_qlora_does(fresh_dynamo, kind):
 
     qlora = frames(False)
     assert frames(True) == qlora and qlora[-1] == qlora[-2]
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = TwoLinear()
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _norm_calls_per_step(model: nn.Module, backend, x) -> tuple:
+    """(norm op calls in one training step after two warm-up steps, the gradients of that step)."""
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for _ in range(2):
+        compiled(x).square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    with torch.profiler.profile() as prof:
+        compiled(x).square().mean().backward()
+    calls = sum(e.count for e in prof.key_averages() if e.key == "peft::dora_weight_norm")
+    return calls, _grads(model)
+
+
+@pytest.mark.parametrize("with_pass", (True, False))
+def test_checkpointed_norm_is_saved_not_recomputed(fresh_dynamo, with_pass):
+    """Under activation checkpointing the partitioner recomputes everything in the region in the backward, the norm
+    op too (a second call per DoRA Linear and step). ``save_norm_in_checkpoints`` (Inductor's joint-graph pass,
+    here run by the aot_eager backend's partitioner the same way) has it saved instead: one call per module and
+    step, the gradients those of eager and of the recomputing graph."""
+    from functools import partial
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from peft.tuners.lora.dora_norm import save_norm_in_checkpoints
+
+    def partition(gm, joint_inputs, **kwargs):
+        if with_pass:
+            save_norm_in_checkpoints(gm.graph)
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+    from functorch.compile import make_boxed_func
+
+    def nop(gm, _):
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partial(partition))
+    model = _dora_model(_Checkpointed(), ["inner.l1", "inner.l2"]).train()
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(3))
+    eager = copy.deepcopy(model)
+    eager(x).square().mean().backward()
+    calls, grads = _norm_calls_per_step(model, backend, x)
+    assert calls == (2 if with_pass else 4)  # two DoRA Linears: their forwards only, or forwards and recomputes
+    expected = _grads(eager)
+    assert grads.keys() == expected.keys() and any("lora_magnitude_vector" in n for n in grads)
+    for name in grads:
+        assert_close(grads[name], expected[name])
+
+
+def test_keep_norm_pass_is_set_once_and_leaves_a_users_pass_alone(monkeypatch):
+    """A DoRA layer made sets the pass where Inductor has none (once: the next layers find it), and leaves a pass the
+    user set in place."""
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "joint_custom_pre_pass", None)
+    _dora_model(TwoLinear(), ["l1", "l2"])
+    ours = inductor_config.joint_custom_pre_pass
+    assert ours is not None and ours.uuid() == "peft-dora-save-norm-v1"
+    _dora_model(TwoLinear(), ["l1", "l2"])
+    assert inductor_config.joint_custom_pre_pass is ours
+
+    def users_pass(graph):
+        return None
+
+    monkeypatch.setattr(inductor_config, "joint_custom_pre_pass", users_pass)
+    _dora_model(TwoLinear(), ["l1", "l2"])
+    assert inductor_config.joint_custom_pre_pass is users_pass

@@ -149,3 +149,51 @@ def test_compiled_training_replays_norm_graphs_that_follow_updates(precision):
                     p.mul_(1.5)
     # two DoRA modules; each computes eagerly on its first forward, captures (and replays once) on its second
     assert replays >= 2 * (steps - 1), replays
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.block = model
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("mode", ("default", "reduce-overhead"))
+def test_checkpointed_compiled_training_saves_the_norm_and_follows_updates(mode):
+    """Under activation checkpointing Inductor saves the norm op's output for the backward instead of recomputing it
+    there (``dora_norm.save_norm_in_checkpoints``): under ``default`` one op call per DoRA Linear and step, not two.
+    Over AdamW steps that change A, B and m, the compiled step's output and gradients equal the eager step's on the
+    same weights, under ``reduce-overhead``'s CUDA graphs too (a saved norm from another step, or a recomputed one
+    from stale inputs, would not)."""
+    from torch._inductor import config as inductor_config
+
+    from peft.tuners.lora.dora_norm import _SAVE_NORM_PASS_ID
+
+    model = _model("autocast", 0.0)  # making a DoRA layer sets the pass, where none is set
+    assert getattr(inductor_config.joint_custom_pre_pass, "uuid", lambda: None)() == _SAVE_NORM_PASS_ID
+    model.base_model.model = _Checkpointed(model.base_model.model)
+    model.train()
+    compiled = torch.compile(model, mode=mode, fullgraph=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    x = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
+    for step in range(6):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref = model(x)  # eager first, on the same weights
+        ref.float().square().mean().backward()
+        eager_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        torch.compiler.cudagraph_mark_step_begin()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = compiled(x)
+            out.float().square().mean().backward()
+        calls = sum(e.count for e in prof.key_averages() if e.key == "peft::dora_weight_norm")
+        if mode == "default" and step >= 2:
+            assert calls == 2, calls  # the forwards' only: no call in the backward's recompute
+        assert _rel_err(out.detach(), ref.detach()) < 2e-2, step
+        for n, g in eager_grads.items():
+            assert _rel_err(dict(model.named_parameters())[n].grad, g) < 3e-2, (step, n)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
