@@ -670,12 +670,14 @@ def keep_norm_through_checkpoints() -> None:
     sets later replaces ours."""
     try:
         from torch._inductor import config as inductor_config
-    except ImportError:
+
+        if inductor_config.joint_custom_pre_pass is not None:
+            return
+    except (ImportError, AttributeError):  # an optional speed-up: making a DoRA layer never fails for it
         return
-    if inductor_config.joint_custom_pre_pass is None:
-        pass_type = _save_norm_pass_type()
-        if pass_type is not None:
-            inductor_config.joint_custom_pre_pass = pass_type()
+    pass_type = _save_norm_pass_type()
+    if pass_type is not None:
+        inductor_config.joint_custom_pre_pass = pass_type()
 
 
 @functools.cache

@@ -474,21 +474,41 @@ def test_checkpointed_norm_is_saved_not_recomputed(fresh_dynamo, with_pass):
         assert_close(grads[name], expected[name])
 
 
-def test_keep_norm_pass_is_set_once_and_leaves_a_users_pass_alone(monkeypatch):
+def test_keep_norm_pass_is_set_once_and_leaves_a_users_pass_alone():
     """A DoRA layer made sets the pass where Inductor has none (once: the next layers find it), and leaves a pass the
-    user set in place."""
+    user set in place. (``config.patch`` restores the setting; pytest's monkeypatch would delete it on undo, which
+    Inductor's config module takes as "hide this setting", breaking every later DoRA layer in the process.)"""
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "joint_custom_pre_pass", None)
-    _dora_model(TwoLinear(), ["l1", "l2"])
-    ours = inductor_config.joint_custom_pre_pass
-    assert ours is not None and ours.uuid() == "peft-dora-save-norm-v1"
-    _dora_model(TwoLinear(), ["l1", "l2"])
-    assert inductor_config.joint_custom_pre_pass is ours
+    with inductor_config.patch(joint_custom_pre_pass=None):
+        _dora_model(TwoLinear(), ["l1", "l2"])
+        ours = inductor_config.joint_custom_pre_pass
+        assert ours is not None and ours.uuid() == "peft-dora-save-norm-v1"
+        _dora_model(TwoLinear(), ["l1", "l2"])
+        assert inductor_config.joint_custom_pre_pass is ours
 
     def users_pass(graph):
         return None
 
-    monkeypatch.setattr(inductor_config, "joint_custom_pre_pass", users_pass)
-    _dora_model(TwoLinear(), ["l1", "l2"])
-    assert inductor_config.joint_custom_pre_pass is users_pass
+    with inductor_config.patch(joint_custom_pre_pass=users_pass):
+        _dora_model(TwoLinear(), ["l1", "l2"])
+        assert inductor_config.joint_custom_pre_pass is users_pass
+    _dora_model(TwoLinear(), ["l1", "l2"])  # and after the patches, the setting is there to read
+
+
+def test_a_dora_layer_is_made_where_inductor_lacks_the_setting(monkeypatch):
+    """The pass is a speed-up: where Inductor's config has no ``joint_custom_pre_pass`` (an older or stripped-down
+    Inductor), making a DoRA layer goes on without it."""
+    from peft.tuners.lora import dora_norm
+
+    class NoSetting:
+        def __getattr__(self, name):
+            raise AttributeError(name)
+
+    import torch._inductor
+
+    monkeypatch.setattr(torch._inductor, "config", NoSetting())
+    monkeypatch.setitem(__import__("sys").modules, "torch._inductor.config", NoSetting())
+    dora_norm.keep_norm_through_checkpoints()  # no error
+    model = _dora_model(TwoLinear(), ["l1", "l2"])
+    assert any("lora_magnitude_vector" in n for n, _ in model.named_parameters())
