@@ -444,8 +444,7 @@ def test_checkpointed_norm_is_saved_not_recomputed(fresh_dynamo, with_pass):
     op too (a second call per DoRA Linear and step). ``save_norm_in_checkpoints`` (Inductor's joint-graph pass,
     here run by the aot_eager backend's partitioner the same way) has it saved instead: one call per module and
     step, the gradients those of eager and of the recomputing graph."""
-    from functools import partial
-
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -456,12 +455,10 @@ def test_checkpointed_norm_is_saved_not_recomputed(fresh_dynamo, with_pass):
             save_norm_in_checkpoints(gm.graph)
         return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
-    from functorch.compile import make_boxed_func
-
     def nop(gm, _):
         return make_boxed_func(gm)
 
-    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partial(partition))
+    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition)
     model = _dora_model(_Checkpointed(), ["inner.l1", "inner.l2"]).train()
     x = torch.randn(6, 32, generator=torch.Generator().manual_seed(3))
     eager = copy.deepcopy(model)
@@ -505,10 +502,12 @@ def test_a_dora_layer_is_made_where_inductor_lacks_the_setting(monkeypatch):
         def __getattr__(self, name):
             raise AttributeError(name)
 
+    import sys
+
     import torch._inductor
 
     monkeypatch.setattr(torch._inductor, "config", NoSetting())
-    monkeypatch.setitem(__import__("sys").modules, "torch._inductor.config", NoSetting())
+    monkeypatch.setitem(sys.modules, "torch._inductor.config", NoSetting())
     dora_norm.keep_norm_through_checkpoints()  # no error
     model = _dora_model(TwoLinear(), ["l1", "l2"])
     assert any("lora_magnitude_vector" in n for n, _ in model.named_parameters())

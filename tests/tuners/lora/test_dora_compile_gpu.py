@@ -176,13 +176,14 @@ def test_checkpointed_compiled_training_saves_the_norm_and_follows_updates(mode)
     model.base_model.model = _Checkpointed(model.base_model.model)
     model.train()
     compiled = torch.compile(model, mode=mode, fullgraph=True)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW([p for p in params.values() if p.requires_grad], lr=1e-3)
     x = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
     for step in range(6):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             ref = model(x)  # eager first, on the same weights
         ref.float().square().mean().backward()
-        eager_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        eager_grads = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
         model.zero_grad(set_to_none=True)
         torch.compiler.cudagraph_mark_step_begin()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -194,6 +195,6 @@ def test_checkpointed_compiled_training_saves_the_norm_and_follows_updates(mode)
             assert calls == 2, calls  # the forwards' only: no call in the backward's recompute
         assert _rel_err(out.detach(), ref.detach()) < 2e-2, step
         for n, g in eager_grads.items():
-            assert _rel_err(dict(model.named_parameters())[n].grad, g) < 3e-2, (step, n)
+            assert _rel_err(params[n].grad, g) < 3e-2, (step, n)
         opt.step()
         opt.zero_grad(set_to_none=True)
