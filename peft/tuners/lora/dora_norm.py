@@ -494,11 +494,14 @@ def _record(sources: tuple, scale: float, frozen: bool, value: torch.Tensor, gra
     weight, lora_A, lora_B = sources
     key = (id(weight), id(lora_A), id(lora_B))
     mine = None  # the record's weak reference, set below: drop runs only once an object dies, after that
+    # the table itself, not the module global: an object that dies at interpreter exit may outlive this module's
+    # globals (set to None by then), and the callback would raise into the exit's output
+    records = _op_records
 
     def drop(_ref) -> None:  # one of the objects died: its id may be taken by a new object, with a record of its own
         kept = mine()
-        if kept is not None and _op_records.get(key) is kept:
-            del _op_records[key]
+        if kept is not None and records.get(key) is kept:
+            del records[key]
 
     record = _make_record(sources, scale, frozen, value, graph, w_sq, drop)
     mine = weakref.ref(record)
