@@ -320,6 +320,9 @@ class DoraLinearLayer(nn.Module):
             if factors is not None and gates.decode:
                 out = self._decode(x, result, weight_a, weight_b, factors, bias, scaling)
                 if out is not None:
+                    self._keep_decode_record(
+                        x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name
+                    )
                     return out
 
         if factors is not None:  # gates.small: no autograd, a plain branch, factors reused
@@ -801,7 +804,7 @@ class DoraLinearLayer(nn.Module):
             return None
         numel = result.numel()
         if numel <= dora_dispatch.DECODE_MAX_ROWS * result.shape[-1] and dora_settings.current().decode_kernels:
-            return None  # the decode tier's
+            return self._recorded_decode(x, result, lora_A, lora_B, scaling, base_layer, adapter_name)
         kept, one_pass = self._reuse.eval_records(ENABLE_DORA_CACHING)
         if (
             kept is None
@@ -829,6 +832,50 @@ class DoraLinearLayer(nn.Module):
         if out is None:
             return None
         record(self, TIER_SMALL_FORWARD)
+        norm_counts["scale_reused"] += 1
+        return out
+
+    def _keep_decode_record(
+        self, x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name
+    ) -> None:
+        """After a decode-tier forward: a :class:`dora_cache.SmallRecord` of it with the plan it ran, for
+        :meth:`_recorded_decode` (where the tensors are parameters whose changes their versions show, as for the
+        small tier's record); not again while the kept one is this plan's and still holds."""
+        reuse = self._reuse
+        plan, kept = reuse.decode, reuse.decode_record
+        tensors = self._record_tensors(base_layer, weight, weight_a, weight_b, magnitude, bias)
+        if tensors is None or plan is None:
+            return
+        state = _small_state(x, result, scaling)
+        if kept is not None and kept[1] is plan and kept[0].holds(tensors, state):
+            return
+        cached = self._cache_get(f"weight-norm-{adapter_name}", None) if ENABLE_DORA_CACHING else None
+        # the plan's factors as the record's g: one made in inference mode answers only there, as the memo's would
+        reuse.decode_record = (SmallRecord(tensors, state, None, None, plan.factors, cached), plan)
+
+    def _recorded_decode(self, x, result, lora_A, lora_B, scaling, base_layer, adapter_name) -> Optional[torch.Tensor]:
+        """A decode step from the layer's decode record: the kept plan's two launches after the record's checks (the
+        same objects, versions, layout, settings, scaling, dtypes and autocast; ``DoraCaching``'s entry; no capture)
+        and the plan's own key (the rows' layout, device and stream); None (the full path) where any fails. The
+        gates and the factors' memo lookup it skips cost more host time than the step's launches."""
+        kept = self._reuse.decode_record
+        if kept is None:
+            return None
+        held, plan = kept
+        if plan is not self._reuse.decode:
+            return None
+        if ENABLE_DORA_CACHING and self._dora_cache.get(f"weight-norm-{adapter_name}") is not held.cached:
+            return None
+        plain = _plain_branch(lora_A, lora_B)
+        if plain is None or plain[0] is not plan.weight_a or plain[1] is not plan.weight_b:
+            return None
+        tensors = _small_tensors(self, base_layer, plain)
+        if tensors is None or capturing(()) or not held.holds(tensors, _small_state(x, result, scaling)):
+            return None
+        if plan.key != dora_decode.plan_key(x, result):
+            return None
+        out = plan.run(x, result)
+        record(self, TIER_DECODE)
         norm_counts["scale_reused"] += 1
         return out
 

@@ -360,13 +360,15 @@ class LayerReuse:
     while its objects, layout, versions and settings hold. ``small``: the latest small-tier eval forward
     (:class:`SmallRecord`), which answers the next ones ahead of all of the above while its tensors and state hold;
     ``one_pass``: the same for the latest eval forward on the one-pass output kernel; ``small_cached`` and
-    ``one_pass_cached``: the two made under ``DoraCaching`` (:meth:`eval_records`).
+    ``one_pass_cached``: the two made under ``DoraCaching`` (:meth:`eval_records`). ``decode_record``: the latest
+    decode-tier forward, ``(SmallRecord, DecodePlan)``: the next decode steps with the same tensors, state and rows'
+    layout run that plan after the record's checks, ahead of all of the above.
     ``clear`` forgets all of it; copies and pickles of a layer start empty.
     """
 
     __slots__ = (
         "norm", "w_sq", "scale", "factors", "rows", "scaled_b", "graph", "decode", "zero_free", "batched", "record",
-        "small", "one_pass", "small_cached", "one_pass_cached", "shards",
+        "small", "one_pass", "small_cached", "one_pass_cached", "shards", "decode_record",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -375,7 +377,7 @@ class LayerReuse:
         self.graph = NormGraph()
         self.rows: tuple = ()
         self.decode = self.record = self.scaled_b = self.shards = None
-        self.small = self.one_pass = self.small_cached = self.one_pass_cached = None
+        self.small = self.one_pass = self.small_cached = self.one_pass_cached = self.decode_record = None
 
     def eval_records(self, caching: bool) -> tuple:
         """(small, one-pass) eval records kept for ``DoraCaching`` on (``caching``) or off: a pair each, so forwards
@@ -393,7 +395,7 @@ class LayerReuse:
         for memo in (self.norm, self.w_sq, self.scale, self.factors, self.zero_free, self.batched):
             memo.clear()
         self.rows, self.decode, self.record, self.scaled_b, self.shards = (), None, None, None, None
-        self.small = self.one_pass = self.small_cached = self.one_pass_cached = None
+        self.small = self.one_pass = self.small_cached = self.one_pass_cached = self.decode_record = None
         if graph:
             self.graph.clear()
 

@@ -685,11 +685,12 @@ def counting_records(answered: list):
     return counted
 
 
-@pytest.mark.parametrize("tier", ("small_forward", "one_pass"))
+@pytest.mark.parametrize("tier", ("small_forward", "one_pass", "decode"))
 def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monkeypatch, tier):
     """An eval forward on the small tier keeps a record (``dora_cache.SmallRecord``) that answers the next ones in
-    three ops, and one on the one-pass output kernel (outputs above the small tier's limit, here made 0) a record
-    that answers with two matmuls and the kernel: the same bits as the full path while nothing changed; after each
+    three ops, one on the one-pass output kernel (outputs above the small tier's limit, here made 0) a record
+    that answers with two matmuls and the kernel, and a decode step (up to 8 rows, decode kernels on) a record with
+    its plan that answers with the plan's two launches: the same bits as the full path while nothing changed; after each
     change below the output is a fresh computation's (the eager tier's), never the record's stale one: in-place
     edits of W, A, B, m and the bias, a new value through ``.data`` (a new storage), a ``.data`` write PyTorch cannot
     see followed by ``invalidate_norm_caches()``, a new scaling, a replaced parameter object, a hook on ``lora_A``
@@ -699,11 +700,12 @@ def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monke
 
     from peft.tuners.lora import dora
 
-    dora_switches(decode_kernels=False)
+    decode = tier == "decode"
+    dora_switches(decode_kernels=decode)  # x below has 6 rows: the decode tier's where its kernels are on
     one_pass = tier == "one_pass"
     if one_pass:
         monkeypatch.setattr(dispatch, "SMALL_FORWARD_NUMEL", 0)  # every output is "large"
-    own_tier = dora.TIER_FUSED_FORWARD if one_pass else dora.TIER_SMALL_FORWARD
+    own_tier = dora.TIER_DECODE if decode else dora.TIER_FUSED_FORWARD if one_pass else dora.TIER_SMALL_FORWARD
     peft_model = small_dora_model()
     first, second = peft_model.base_model.model[0], peft_model.base_model.model[2]
     x = torch.randn(2, 3, 24)
@@ -772,15 +774,32 @@ def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monke
         assert answered == [False, False]
         monkeypatch.setattr(dora, "ENABLE_DORA_CACHING", False)
         check([False, False], "after DoraCaching")
-        with pytest.MonkeyPatch.context() as mp:
-            # both outputs on the other tier: "small" for the one-pass records, "large" for the small tier's
-            mp.setattr(dispatch, "SMALL_FORWARD_NUMEL", 2 * 3 * 40 if one_pass else 2 * 3 * 17 - 1)
+        if decode:
+            check([True, True], "after DoraCaching, again")
+
+            def other_rows(rows: int, answers: list, label: str):
+                answered.clear()
+                other = torch.randn(rows, 24)
+                got = peft_model(other)
+                assert answered == answers, (label, answered)
+                assert_close(got, eager_forward(peft_model, other), dtype=torch.float32)
+
             dora.tier_counts.clear()
-            check([False, False], "other tier")
-            assert dora.tier_counts[dora.TIER_SMALL_FORWARD if one_pass else dora.TIER_FUSED_FORWARD] == 2
-            dora.tier_counts.clear()
-            check([True, True], "other tier's record")  # each tier keeps its own record
-            assert dora.tier_counts[dora.TIER_SMALL_FORWARD if one_pass else dora.TIER_FUSED_FORWARD] == 2
+            other_rows(9, [False, False], "more rows than a decode step")  # the small tier's, without a record yet
+            assert dora.tier_counts[dora.TIER_SMALL_FORWARD] == 2
+            check([True, True], "decode again")  # the decode record and its plan still hold
+            other_rows(1, [False, False], "one row")  # the rows' layout is the plan's key: a new plan and record
+            check([False, False], "the first rows again")
+        else:
+            with pytest.MonkeyPatch.context() as mp:
+                # both outputs on the other tier: "small" for the one-pass records, "large" for the small tier's
+                mp.setattr(dispatch, "SMALL_FORWARD_NUMEL", 2 * 3 * 40 if one_pass else 2 * 3 * 17 - 1)
+                dora.tier_counts.clear()
+                check([False, False], "other tier")
+                assert dora.tier_counts[dora.TIER_SMALL_FORWARD if one_pass else dora.TIER_FUSED_FORWARD] == 2
+                dora.tier_counts.clear()
+                check([True, True], "other tier's record")  # each tier keeps its own record
+                assert dora.tier_counts[dora.TIER_SMALL_FORWARD if one_pass else dora.TIER_FUSED_FORWARD] == 2
         dora.tier_counts.clear()
         check([True, True], "own tier again")
         assert dora.tier_counts[own_tier] == 2  # beside the fresh forward's eager ones
@@ -807,7 +826,7 @@ def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monke
     # training mode forgets the records and never asks them
     peft_model.train()
     layer = first.lora_magnitude_vector["default"]
-    assert layer._reuse.small is None and layer._reuse.one_pass is None
+    assert layer._reuse.small is None and layer._reuse.one_pass is None and layer._reuse.decode_record is None
     answered.clear()
     with torch.no_grad():
         peft_model(x)
@@ -879,18 +898,19 @@ def test_small_record_under_dora_caching(dora_switches, dora_env, monkeypatch, t
     assert reuse.eval_records(True) == (None, None) and reuse.eval_records(False) == (None, None)
 
 
-def test_eval_records_never_change_the_bits_in_a_random_sequence(dora_switches, monkeypatch):
-    """Two copies of one DoRA model take the same seeded random sequence of eval forwards (few and many rows,
-    ``DoraCaching`` on or off, no_grad or inference mode), in-place edits of B, m and W, train()/eval() and the small
-    tier's limit at 0 or its default: the copy whose layers answer from their records gives the bits of the copy whose
-    records never answer (the full path) after every forward."""
+@pytest.mark.parametrize("decode", (False, True), ids=("decode_off", "decode_on"))
+def test_eval_records_never_change_the_bits_in_a_random_sequence(dora_switches, monkeypatch, decode):
+    """Two copies of one DoRA model take the same seeded random sequence of eval forwards (few and many rows, the
+    few on the decode tier where its kernels are on, ``DoraCaching`` on or off, no_grad or inference mode), in-place
+    edits of B, m and W, train()/eval() and the small tier's limit at 0 or its default: the copy whose layers answer
+    from their records gives the bits of the copy whose records never answer (the full path) after every forward."""
     import contextlib
     import random
 
     from peft.helpers import DoraCaching
     from peft.tuners.lora import dora
 
-    dora_switches(decode_kernels=False)
+    dora_switches(decode_kernels=decode)
     ours, full = small_dora_model(), small_dora_model()
     limit = dispatch.SMALL_FORWARD_NUMEL
     rng = random.Random(0)
