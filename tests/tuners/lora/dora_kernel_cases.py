@@ -992,6 +992,68 @@ def test_decode_tier_in_a_model_and_its_fallbacks(dora_switches, dora_env, monke
     assert dora.TIER_DECODE not in tiers
 
 
+def test_generate_through_decode_records_is_the_eager_tiers_generate(dora_switches, monkeypatch):
+    """``generate`` with a KV cache on a tiny Llama with DoRA on all seven projections: its one-token steps (a batch of
+    two: two rows) take the decode tier, answered from each layer's decode record after the first step, and give the
+    eager tier's tokens and logits (PEFT_DORA_FUSED=0, nothing kept); after an in-place edit of one B and one m
+    between two calls the records of those layers step aside and the next call matches the eager tier again."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import dora
+
+    dora_switches(decode_kernels=True)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora_config = LoraConfig(r=4, target_modules=targets, use_dora=True, init_lora_weights=False)
+    model = get_peft_model(LlamaForCausalLM(config), lora_config).eval()
+    prompt = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    answered = []
+    recorded = dora.DoraLinearLayer._recorded_decode
+
+    def counted(self, *args):
+        out = recorded(self, *args)
+        answered.append(out is not None)
+        return out
+
+    monkeypatch.setattr(dora.DoraLinearLayer, "_recorded_decode", counted)
+
+    def generate(eager: bool):
+        with pytest.MonkeyPatch.context() as mp:
+            if eager:
+                mp.setenv("PEFT_DORA_FUSED", "0")
+            dora._invalidate_fused_cache()
+            out = model.generate(
+                input_ids=prompt, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True
+            )
+        dora._invalidate_fused_cache()
+        return out.sequences, torch.stack(out.logits)
+
+    def same_as_eager():
+        answered.clear(), dora.tier_counts.clear()
+        tokens, logits = generate(eager=False)
+        tiers, hits = dict(dora.tier_counts), answered.count(True)
+        eager_tokens, eager_logits = generate(eager=True)
+        assert torch.equal(tokens, eager_tokens)
+        assert_close(logits, eager_logits, dtype=torch.float32)
+        return tiers, hits
+
+    with torch.no_grad():
+        tiers, hits = same_as_eager()
+        modules = 2 * len(targets)
+        assert tiers[dora.TIER_DECODE] == 5 * modules  # the five one-token steps after the prompt's forward
+        assert hits == 4 * modules  # the first step makes each layer's record, the next four answer from it
+        first = model.base_model.model.model.layers[0]
+        first.self_attn.q_proj.lora_B["default"].weight.mul_(1.5)
+        first.mlp.down_proj.lora_magnitude_vector["default"].weight.mul_(0.75)
+        tiers, hits = same_as_eager()
+        assert hits == 5 * modules - 2  # the two edited layers' records step aside once, every other one answers
+
+
 def test_dora_caching_keeps_the_decode_tier(dora_switches):
     """``peft.helpers.DoraCaching`` (upstream's inference speed-up) never costs a faster path: decode steps with it on
     take the same tier as with it off, reuse the same factors and compute no norm again."""
