@@ -817,12 +817,10 @@ class DoraLinearLayer(nn.Module):
                 dora_dispatch.SMALL_FORWARD_WIDE_NUMEL if kept.wide else dora_dispatch.SMALL_FORWARD_NUMEL
             ):
                 return None
-        if ENABLE_DORA_CACHING and self._dora_cache.get(f"weight-norm-{adapter_name}") is not kept.cached:
-            return None  # DoraCaching's norm, kept until train() whatever the weights do: the record's, or none
-        plain = _plain_branch(lora_A, lora_B)
-        tensors = None if plain is None else _small_tensors(self, base_layer, plain)
-        if tensors is None or capturing(()) or not kept.holds(tensors, _small_state(x, result, scaling)):
+        held = self._record_holds(kept, x, result, lora_A, lora_B, scaling, base_layer, adapter_name)
+        if held is None:
             return None
+        plain, tensors = held
         if kept.norm is not None:
             return self._recorded_one_pass(kept, x, result, plain, tensors, scaling, base_layer)
         if kept.scaled_b is None:  # _small_output's fp32 composition (numel within its limit, checked above)
@@ -835,42 +833,48 @@ class DoraLinearLayer(nn.Module):
         norm_counts["scale_reused"] += 1
         return out
 
+    def _record_holds(self, kept, x, result, lora_A, lora_B, scaling, base_layer, adapter_name) -> Optional[tuple]:
+        """``(plain, tensors)`` where the eval record ``kept`` answers this forward (``DoraCaching``'s entry is the
+        record's, the branch is plain, its tensors and state are the record's, no capture), else None."""
+        if ENABLE_DORA_CACHING and self._dora_cache.get(f"weight-norm-{adapter_name}") is not kept.cached:
+            return None  # DoraCaching's norm, kept until train() whatever the weights do: the record's, or none
+        plain = _plain_branch(lora_A, lora_B)
+        tensors = None if plain is None else _small_tensors(self, base_layer, plain)
+        if tensors is None or capturing(()) or not kept.holds(tensors, _small_state(x, result, scaling)):
+            return None
+        return plain, tensors
+
     def _keep_decode_record(
         self, x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name
     ) -> None:
-        """After a decode-tier forward: a :class:`dora_cache.SmallRecord` of it with the plan it ran, for
+        """After a decode-tier eval forward: a :class:`dora_cache.SmallRecord` of it with the plan it ran, for
         :meth:`_recorded_decode` (where the tensors are parameters whose changes their versions show, as for the
-        small tier's record); not again while the kept one is this plan's and still holds."""
-        reuse = self._reuse
-        plan, kept = reuse.decode, reuse.decode_record
+        small tier's record); one for ``DoraCaching`` on and one for off, as theirs."""
+        plan = self._reuse.decode
+        if self.training or plan is None:
+            return  # read in eval forwards only (train() and eval() forget them)
         tensors = self._record_tensors(base_layer, weight, weight_a, weight_b, magnitude, bias)
-        if tensors is None or plan is None:
+        if tensors is None:
             return
         state = _small_state(x, result, scaling)
-        if kept is not None and kept[1] is plan and kept[0].holds(tensors, state):
-            return
         cached = self._cache_get(f"weight-norm-{adapter_name}", None) if ENABLE_DORA_CACHING else None
         # the plan's factors as the record's g: one made in inference mode answers only there, as the memo's would
-        reuse.decode_record = (SmallRecord(tensors, state, None, None, plan.factors, cached), plan)
+        record = SmallRecord(tensors, state, None, None, plan.factors, cached)
+        self._reuse.keep_decode_record((record, plan), ENABLE_DORA_CACHING)
 
     def _recorded_decode(self, x, result, lora_A, lora_B, scaling, base_layer, adapter_name) -> Optional[torch.Tensor]:
         """A decode step from the layer's decode record: the kept plan's two launches after the record's checks (the
         same objects, versions, layout, settings, scaling, dtypes and autocast; ``DoraCaching``'s entry; no capture)
         and the plan's own key (the rows' layout, device and stream); None (the full path) where any fails. The
         gates and the factors' memo lookup it skips cost more host time than the step's launches."""
-        kept = self._reuse.decode_record
+        kept = self._reuse.decode_records(ENABLE_DORA_CACHING)
         if kept is None:
             return None
-        held, plan = kept
+        made, plan = kept
         if plan is not self._reuse.decode:
             return None
-        if ENABLE_DORA_CACHING and self._dora_cache.get(f"weight-norm-{adapter_name}") is not held.cached:
-            return None
-        plain = _plain_branch(lora_A, lora_B)
-        if plain is None or plain[0] is not plan.weight_a or plain[1] is not plan.weight_b:
-            return None
-        tensors = _small_tensors(self, base_layer, plain)
-        if tensors is None or capturing(()) or not held.holds(tensors, _small_state(x, result, scaling)):
+        held = self._record_holds(made, x, result, lora_A, lora_B, scaling, base_layer, adapter_name)
+        if held is None or held[0][0] is not plan.weight_a or held[0][1] is not plan.weight_b:
             return None
         if plan.key != dora_decode.plan_key(x, result):
             return None

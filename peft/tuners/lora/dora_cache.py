@@ -361,14 +361,15 @@ class LayerReuse:
     (:class:`SmallRecord`), which answers the next ones ahead of all of the above while its tensors and state hold;
     ``one_pass``: the same for the latest eval forward on the one-pass output kernel; ``small_cached`` and
     ``one_pass_cached``: the two made under ``DoraCaching`` (:meth:`eval_records`). ``decode_record``: the latest
-    decode-tier forward, ``(SmallRecord, DecodePlan)``: the next decode steps with the same tensors, state and rows'
-    layout run that plan after the record's checks, ahead of all of the above.
+    decode-tier eval forward, ``(SmallRecord, DecodePlan)``: the next decode steps with the same tensors, state and
+    rows' layout run that plan after the record's checks, ahead of all of the above; ``decode_record_cached``: the
+    one made under ``DoraCaching`` (:meth:`decode_records`).
     ``clear`` forgets all of it; copies and pickles of a layer start empty.
     """
 
     __slots__ = (
         "norm", "w_sq", "scale", "factors", "rows", "scaled_b", "graph", "decode", "zero_free", "batched", "record",
-        "small", "one_pass", "small_cached", "one_pass_cached", "shards", "decode_record",
+        "small", "one_pass", "small_cached", "one_pass_cached", "shards", "decode_record", "decode_record_cached",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -377,13 +378,22 @@ class LayerReuse:
         self.graph = NormGraph()
         self.rows: tuple = ()
         self.decode = self.record = self.scaled_b = self.shards = None
-        self.small = self.one_pass = self.small_cached = self.one_pass_cached = self.decode_record = None
+        self.small = self.one_pass = self.small_cached = self.one_pass_cached = None
+        self.decode_record = self.decode_record_cached = None
 
     def eval_records(self, caching: bool) -> tuple:
         """(small, one-pass) eval records kept for ``DoraCaching`` on (``caching``) or off: a pair each, so forwards
         that alternate between the two (a record's state holds the switch) answer from their own records instead of
         replacing the other's in every forward, a norm copy each time."""
         return (self.small_cached, self.one_pass_cached) if caching else (self.small, self.one_pass)
+
+    def decode_records(self, caching: bool) -> Optional[tuple]:
+        """The decode record kept for ``DoraCaching`` on (``caching``) or off, as :meth:`eval_records`' pairs."""
+        return self.decode_record_cached if caching else self.decode_record
+
+    def keep_decode_record(self, kept: tuple, caching: bool) -> None:
+        """Keep ``(record, plan)`` in its place for ``DoraCaching`` on or off."""
+        setattr(self, "decode_record_cached" if caching else "decode_record", kept)
 
     def keep_eval_record(self, record: SmallRecord, caching: bool) -> None:
         """Keep ``record`` (a one-pass record where it holds a norm) in its place for ``DoraCaching`` on or off."""
@@ -395,7 +405,8 @@ class LayerReuse:
         for memo in (self.norm, self.w_sq, self.scale, self.factors, self.zero_free, self.batched):
             memo.clear()
         self.rows, self.decode, self.record, self.scaled_b, self.shards = (), None, None, None, None
-        self.small = self.one_pass = self.small_cached = self.one_pass_cached = self.decode_record = None
+        self.small = self.one_pass = self.small_cached = self.one_pass_cached = None
+        self.decode_record = self.decode_record_cached = None
         if graph:
             self.graph.clear()
 

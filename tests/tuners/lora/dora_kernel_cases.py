@@ -833,7 +833,7 @@ def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monke
     assert answered == []
 
 
-@pytest.mark.parametrize("tier", ("small_forward", "one_pass"))
+@pytest.mark.parametrize("tier", ("small_forward", "one_pass", "decode"))
 def test_small_record_under_dora_caching(dora_switches, dora_env, monkeypatch, tier):
     """Under ``DoraCaching`` (upstream's semantics: the first cached eval forward's norm, kept until ``train()``
     whatever the weights do) the small tier's record (and the one-pass kernel's) answers as the full path would, so
@@ -846,7 +846,7 @@ def test_small_record_under_dora_caching(dora_switches, dora_env, monkeypatch, t
     from peft.helpers import DoraCaching
     from peft.tuners.lora import dora
 
-    dora_switches(decode_kernels=False)
+    dora_switches(decode_kernels=tier == "decode")  # x below has 6 rows: the decode tier's where its kernels are on
     if tier == "one_pass":
         monkeypatch.setattr(dispatch, "SMALL_FORWARD_NUMEL", 0)  # every output is "large"
     peft_model = small_dora_model()
@@ -896,6 +896,7 @@ def test_small_record_under_dora_caching(dora_switches, dora_env, monkeypatch, t
     peft_model.train()  # training mode forgets both pairs
     reuse = first.lora_magnitude_vector["default"]._reuse
     assert reuse.eval_records(True) == (None, None) and reuse.eval_records(False) == (None, None)
+    assert reuse.decode_records(True) is None and reuse.decode_records(False) is None
 
 
 @pytest.mark.parametrize("decode", (False, True), ids=("decode_off", "decode_on"))
