@@ -527,8 +527,6 @@ def test_a_dora_layer_is_made_where_inductor_lacks_the_setting(monkeypatch):
         def __getattr__(self, name):
             raise AttributeError(name)
 
-    import sys
-
     import torch._inductor
 
     monkeypatch.setattr(torch._inductor, "config", NoSetting())
