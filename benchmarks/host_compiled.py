@@ -83,6 +83,12 @@ def main(argv=None) -> int:
         default="models",
         help="models: a LoRA and a DoRA model, each compiled; adapters: one compiled model holding both adapters",
     )
+    p.add_argument(
+        "--measure",
+        choices=("eval", "train"),
+        default="eval",
+        help="eval: forward without autograd; train: forward, backward of the sum and the gradients set to None",
+    )
     p.add_argument("--label", help="which build of peft is imported (kept in the record; git_rev is this checkout's)")
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -90,9 +96,11 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     x = torch.randn(16, 64)
+    train = args.measure == "train"
     before = None
     if args.pairing == "models":
-        compiled = {name: torch.compile(build(dora, args.modules)) for name, dora in (("lora", False), ("dora", True))}
+        models = {name: build(dora, args.modules).train(train) for name, dora in (("lora", False), ("dora", True))}
+        compiled = {name: torch.compile(model) for name, model in models.items()}
     else:  # one model with the DoRA adapter and a LoRA twin adapter, switched by set_adapter (untimed) before every
         # call of either, as the paired measures alternate them
         from peft import LoraConfig
@@ -104,7 +112,19 @@ def main(argv=None) -> int:
         one = torch.compile(model)
         compiled = {"lora": one, "dora": one}
         before = {"lora": lambda: model.set_adapter("twin"), "dora": lambda: model.set_adapter("default")}
-    with torch.no_grad():
+    if train:
+        if args.pairing != "models":
+            p.error("--measure train times --pairing models")
+
+        def step(compiled_model, model):
+            def run(x):
+                compiled_model(x).sum().backward()
+                model.zero_grad(set_to_none=True)
+
+            return run
+
+        compiled = {name: step(compiled[name], models[name]) for name in compiled}
+    with torch.enable_grad() if train else torch.no_grad():
         for name, fn in compiled.items():
             for _ in range(5):  # compile and warm up
                 if before:
@@ -113,7 +133,13 @@ def main(argv=None) -> int:
         rounds, medians = alternate(compiled, x, args.calls, args.modules, args.rounds, before)
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     doc = {
-        "what": "compiled eval forward, host time per adapted Linear (us), no autograd, 16x64 input",
+        "what": (
+            "compiled training step (forward, backward of the sum, gradients set to None)"
+            if train
+            else "compiled eval forward, no autograd"
+        )
+        + ", host time per adapted Linear (us), 16x64 input",
+        "measure": args.measure,
         "device": "cpu",
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,

@@ -196,6 +196,114 @@ def test_norm_op_opcheck(reuse):
     assert_close(torch.ops.peft.dora_weight_norm(weight, lora_A, lora_B, 0.7, reuse, True), expected)
 
 
+def test_norms_op_opcheck_and_values():
+    """``peft::dora_weight_norms``: fake tensor, schema and no aliasing of its inputs, also where the norms it
+    concatenates are kept values (``reuse`` 2); its result is each triple's norm, in order."""
+    gen = torch.Generator().manual_seed(5)
+    triples = [(torch.randn(d, 40, generator=gen), torch.randn(6, 40, generator=gen), torch.randn(d, 6, generator=gen))
+               for d in (24, 8, 16)]  # fmt: skip
+    weights, lora_As, lora_Bs = (list(column) for column in zip(*triples))
+    args = (weights, lora_As, lora_Bs, [0.7, 1.0, 0.25], [2, 0, 2], [True, False, True])
+    torch.library.opcheck(torch.ops.peft.dora_weight_norms.default, args)
+    expected = torch.cat([dora.factored_row_norm(*t, s) for t, s in zip(triples, args[3])])
+    for _ in range(2):  # computed, then the kept norms of the reuse-2 triples
+        assert_close(torch.ops.peft.dora_weight_norms.default(*args), expected)
+
+
+class ThreeLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(32, 48), nn.Linear(48, 24, bias=False), nn.Linear(24, 16)
+
+    def forward(self, x):
+        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
+
+
+def _norm_op_calls(prof) -> dict:
+    return {e.key: e.count for e in prof.key_averages() if e.key.startswith("peft::dora_weight_norm")}
+
+
+def test_compiled_graph_computes_its_norms_in_one_call(fresh_dynamo):
+    """Under Inductor (``batch_norm_ops``, the post-grad pass a DoRA layer sets) the norms of a compiled graph's DoRA
+    Linears come from one ``dora_weight_norms`` call per forward, in training and in eval, none from the
+    per-module op; over optimizer steps that change A, B and m, outputs and gradients equal eager ones on the same
+    weights, and eval forwards after an in-place edit of a B see it."""
+    from torch._inductor import config as inductor_config
+
+    from peft.tuners.lora.dora_norm import _BATCH_NORMS_PASS_ID
+
+    model = _dora_model(ThreeLinear(), ["l1", "l2", "l3"])
+    assert inductor_config.post_grad_custom_post_pass.uuid() == _BATCH_NORMS_PASS_ID
+    twin = copy.deepcopy(model)
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(4))
+    compiled = torch.compile(model, fullgraph=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    twin_opt = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=1e-2)
+    model.train(), twin.train()
+    for step in range(4):
+        with torch.profiler.profile() as prof:
+            out = compiled(x)
+            out.square().mean().backward()
+        ref = twin(x)
+        ref.square().mean().backward()
+        if step:  # the first call compiles, tracing the ops too
+            assert _norm_op_calls(prof) == {"peft::dora_weight_norms": 1}, step
+        assert_close(out, ref)
+        grads, expected = _grads(model), _grads(twin)
+        assert grads.keys() == expected.keys() and any("lora_magnitude_vector" in n for n in grads)
+        for name in grads:
+            assert_close(grads[name], expected[name])
+        opt.step(), twin_opt.step()
+        opt.zero_grad(set_to_none=True), twin_opt.zero_grad(set_to_none=True)
+    model.eval(), twin.eval()
+    with torch.no_grad():
+        for step in range(3):
+            if step == 2:
+                for m in (model, twin):
+                    m.base_model.model.l2.lora_B["default"].weight.mul_(1.5)
+            with torch.profiler.profile() as prof:
+                out = compiled(x)
+            if step:
+                assert _norm_op_calls(prof) == {"peft::dora_weight_norms": 1}, step
+            assert_close(out, twin(x))
+
+
+def test_batch_norm_ops_groups_by_dtype_and_leaves_computed_weights_alone():
+    """The pass batches the op calls whose W, A, B are graph inputs, one batch per output dtype (a single call is
+    left as it is), and leaves a call on a weight computed inside the graph (as a gathered or dequantized one would
+    be) alone; the graph computes what it computed before."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from peft.tuners.lora.dora_norm import batch_norm_ops
+
+    def fn(w1, a1, b1, w2, a2, b2, w3, a3, b3, w4, a4, b4):
+        op = torch.ops.peft.dora_weight_norm.default
+        return (
+            op(w1, a1, b1, 0.5, 0, True),
+            op(w2, a2, b2, 1.0, 0, True),
+            op(w3 * 2, a3, b3, 1.0, 0, True),  # a weight computed in the graph
+            op(w4, a4, b4, 0.5, 0, True),  # float64: a batch of its own, of one
+        )
+
+    gen = torch.Generator().manual_seed(6)
+    args = []
+    for d, dtype in ((24, torch.float32), (8, torch.float32), (16, torch.float32), (12, torch.float64)):
+        args += [torch.randn(d, 40, generator=gen, dtype=dtype), torch.randn(4, 40, generator=gen, dtype=dtype),
+                 torch.randn(d, 4, generator=gen, dtype=dtype)]  # fmt: skip
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    expected = gm(*args)
+    batch_norm_ops(gm.graph)
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.peft.dora_weight_norms.default) == 1
+    assert targets.count(torch.ops.peft.dora_weight_norm.default) == 2  # the computed weight's and the float64 one
+    batched = next(n for n in gm.graph.nodes if n.target is torch.ops.peft.dora_weight_norms.default)
+    assert batched.meta["val"].shape == (32,)
+    for got, want in zip(gm(*args), expected):
+        assert got.dtype == want.dtype
+        assert_close(got, want)
+
+
 def _op(weight, lora_A, lora_B, scale, reuse):
     with torch.no_grad():  # as inside a compiled graph's forward (and no autograd node holding A and B)
         return torch.ops.peft.dora_weight_norm.default(weight, lora_A, lora_B, scale, reuse, True)
@@ -496,25 +604,29 @@ def test_checkpointed_norm_is_saved_not_recomputed(fresh_dynamo, with_pass):
         assert_close(grads[name], expected[name])
 
 
-def test_keep_norm_pass_is_set_once_and_leaves_a_users_pass_alone():
-    """A DoRA layer made sets the pass where Inductor has none (once: the next layers find it), and leaves a pass the
-    user set in place. (``config.patch`` restores the setting; pytest's monkeypatch would delete it on undo, which
-    Inductor's config module takes as "hide this setting", breaking every later DoRA layer in the process.)"""
+@pytest.mark.parametrize(
+    "setting, uuid",
+    (("joint_custom_pre_pass", "peft-dora-save-norm-v1"), ("post_grad_custom_post_pass", "peft-dora-batch-norms-v1")),
+)
+def test_norm_passes_are_set_once_and_leave_a_users_pass_alone(setting, uuid):
+    """A DoRA layer made sets each pass where Inductor has none (once: the next layers find it), and leaves a pass
+    the user set in place. (``config.patch`` restores the setting; pytest's monkeypatch would delete it on undo,
+    which Inductor's config module takes as "hide this setting", breaking every later DoRA layer in the process.)"""
     from torch._inductor import config as inductor_config
 
-    with inductor_config.patch(joint_custom_pre_pass=None):
+    with inductor_config.patch({setting: None}):
         _dora_model(TwoLinear(), ["l1", "l2"])
-        ours = inductor_config.joint_custom_pre_pass
-        assert ours is not None and ours.uuid() == "peft-dora-save-norm-v1"
+        ours = getattr(inductor_config, setting)
+        assert ours is not None and ours.uuid() == uuid
         _dora_model(TwoLinear(), ["l1", "l2"])
-        assert inductor_config.joint_custom_pre_pass is ours
+        assert getattr(inductor_config, setting) is ours
 
     def users_pass(graph):
         return None
 
-    with inductor_config.patch(joint_custom_pre_pass=users_pass):
+    with inductor_config.patch({setting: users_pass}):
         _dora_model(TwoLinear(), ["l1", "l2"])
-        assert inductor_config.joint_custom_pre_pass is users_pass
+        assert getattr(inductor_config, setting) is users_pass
     _dora_model(TwoLinear(), ["l1", "l2"])  # and after the patches, the setting is there to read
 
 

@@ -163,7 +163,8 @@ class _Checkpointed(nn.Module):
 @pytest.mark.parametrize("mode", ("default", "reduce-overhead"))
 def test_checkpointed_compiled_training_saves_the_norm_and_follows_updates(mode):
     """Under activation checkpointing Inductor saves the norm op's output for the backward instead of recomputing it
-    there (``dora_norm.save_norm_in_checkpoints``): under ``default`` one op call per DoRA Linear and step, not two.
+    there (``dora_norm.save_norm_in_checkpoints``): under ``default`` the forward's one op call for both DoRA Linears
+    (``dora_norm.batch_norm_ops``) and none in the backward.
     Over AdamW steps that change A, B and m, the compiled step's output and gradients equal the eager step's on the
     same weights, under ``reduce-overhead``'s CUDA graphs too (a saved norm from another step, or a recomputed one
     from stale inputs, would not)."""
@@ -190,9 +191,10 @@ def test_checkpointed_compiled_training_saves_the_norm_and_follows_updates(mode)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = compiled(x)
             out.float().square().mean().backward()
-        calls = sum(e.count for e in prof.key_averages() if e.key == "peft::dora_weight_norm")
+        calls = {e.key: e.count for e in prof.key_averages() if e.key.startswith("peft::dora_weight_norm")}
         if mode == "default" and step >= 2:
-            assert calls == 2, calls  # the forwards' only: no call in the backward's recompute
+            # the forward's one call for both modules (``batch_norm_ops``), none in the backward's recompute
+            assert calls == {"peft::dora_weight_norms": 1}, calls
         assert _rel_err(out.detach(), ref.detach()) < 2e-2, step
         for n, g in eager_grads.items():
             assert _rel_err(params[n].grad, g) < 3e-2, (step, n)
