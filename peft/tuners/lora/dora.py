@@ -427,14 +427,22 @@ class DoraLinearLayer(nn.Module):
         LoRA's ``result + s·lora``; in the backward the LoRA output's gradient is ``d_y`` itself, and DoRA adds
         ``d_result = g·d_y`` with the column sum for ``d_g`` (one kernel) and ``[d_out, r]``-sized work. Composing
         the ``[tokens, d_out]`` LoRA output instead wrote and read two more activation-sized tensors per module in
-        the backward."""
+        the backward. Without autograd there is no backward: ``g`` then scales the LoRA output's columns inside that
+        same pointwise kernel, ``y = result + (g - 1)·(result - bias) + s·g·(a·Bᵀ)`` (the eager tiers' order), and
+        B goes to the matmul as LoRA's does, so the forward has LoRA's kernels (``s·g·B`` was one more launch per
+        module, host time in a short compiled eval forward)."""
         weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
         g = magnitude_scale(magnitude, weight_norm, weight.dtype)
         a = F.linear(x, weight_a)
-        lora = F.linear(a, ((g * float(scaling)).unsqueeze(-1) * weight_b).to(a.dtype))
         acc = torch.promote_types(g.dtype, torch.float32)
+        if torch.is_grad_enabled():
+            lora = F.linear(a, ((g * float(scaling)).unsqueeze(-1) * weight_b).to(a.dtype))
+            delta = lora.to(acc)
+        else:
+            lora = F.linear(a, weight_b)
+            delta = (g * float(scaling)) * lora.to(acc)
         base = result if bias is None else result - bias
-        out = result.to(acc) + (g - 1) * base.to(acc) + lora.to(acc)
+        out = result.to(acc) + (g - 1) * base.to(acc) + delta
         return out.to(torch.promote_types(result.dtype, lora.dtype))
 
     def _compose(self, lora, base, g, scaling, gates: Optional[LinearGates] = None) -> torch.Tensor:

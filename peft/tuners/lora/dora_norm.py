@@ -346,7 +346,14 @@ def _weight_norm_op(
 
 
 def _weight_norm(
-    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float, reuse: int, frozen: bool, copy: bool
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scale: float,
+    reuse: int,
+    frozen: bool,
+    copy: bool,
+    streams: Optional[tuple] = None,
 ) -> torch.Tensor:
     """The factored norm as torch.compile sees it: one opaque op, run by the eager norm (Triton and split kernels,
     reuse) instead of the traced PyTorch form, which under Inductor took up to twice a compiled LoRA step (H200,
@@ -358,11 +365,12 @@ def _weight_norm(
     graph may reuse as scratch space (``copy=False``: the kept value itself, for :func:`_weight_norms_op`, whose
     concatenation is the copy). Nothing is kept on a side stream (see ``_on_default_stream``). Inductor passes the
     parameters themselves, the same objects every call: those calls are answered by their :class:`_OpRecord`.
+    ``streams``: (on the default stream, capturing) where the caller has asked for the device of a batch.
     """
     sources = (weight, lora_A, lora_B)
-    default_stream = _on_default_stream(weight)
+    default_stream, capture = streams if streams is not None else (_on_default_stream(weight), capturing(sources))
     record = _op_records.get((id(weight), id(lora_A), id(lora_B)))  # only for objects that pass ``keep`` below
-    if record is not None and reuse and default_stream and not capturing(sources):
+    if record is not None and reuse and default_stream and not capture:
         out = record.answer(weight, lora_A, lora_B, scale, reuse, frozen, copy=copy)
         if out is not None:
             return out
@@ -391,7 +399,7 @@ def _weight_norm(
     if mode is None:
         return compute()
     value = memoised(storage_memo("norm", sources), mode, "norm", sources, compute, extra=scale)
-    if not capturing(sources) and identity_tracked(sources):
+    if not capture and identity_tracked(sources):
         _record(sources, scale, frozen, value, *used)
     return value.clone() if copy else value
 
@@ -652,13 +660,24 @@ _LIB.define(
 def _weight_norms_op(weights, lora_As, lora_Bs, scales, reuse, frozen) -> torch.Tensor:
     """``dora_weight_norm`` for every triple, each computed, reused or replayed as that op does it, and one
     concatenation for the copies it would make: one op call, one allocation and one copy kernel per compiled graph
-    instead of one of each per DoRA Linear (host time on a short step's critical path)."""
+    instead of one of each per DoRA Linear (host time on a short step's critical path). The batch is on one device
+    (``batch_norm_ops`` groups by it): its stream and capture state are asked once (per triple where a direct call
+    mixes devices)."""
+    if not weights:
+        raise ValueError("peft::dora_weight_norms takes at least one (weight, lora_A, lora_B) triple")
+    one_device = all(w.device == weights[0].device for w in weights)
+    streams = (_on_default_stream(weights[0]), capturing(weights)) if one_device else None
     return torch.cat(
-        [_weight_norm(*args, copy=False) for args in zip(weights, lora_As, lora_Bs, scales, reuse, frozen)]
+        [
+            _weight_norm(*args, copy=False, streams=streams)
+            for args in zip(weights, lora_As, lora_Bs, scales, reuse, frozen)
+        ]
     )
 
 
 def _weight_norms_op_fake(weights, lora_As, lora_Bs, scales, reuse, frozen):
+    if not weights:
+        raise ValueError("peft::dora_weight_norms takes at least one (weight, lora_A, lora_B) triple")
     return weights[0].new_empty(sum(w.shape[0] for w in weights), dtype=_acc_dtype(weights[0]))
 
 

@@ -208,6 +208,8 @@ def test_norms_op_opcheck_and_values():
     expected = torch.cat([dora.factored_row_norm(*t, s) for t, s in zip(triples, args[3])])
     for _ in range(2):  # computed, then the kept norms of the reuse-2 triples
         assert_close(torch.ops.peft.dora_weight_norms.default(*args), expected)
+    with pytest.raises(ValueError, match="at least one"):
+        torch.ops.peft.dora_weight_norms.default([], [], [], [], [], [])
 
 
 class ThreeLinear(nn.Module):
@@ -266,6 +268,34 @@ def test_compiled_graph_computes_its_norms_in_one_call(fresh_dynamo):
             if step:
                 assert _norm_op_calls(prof) == {"peft::dora_weight_norms": 1}, step
             assert_close(out, twin(x))
+
+
+def test_compiled_eval_forward_has_loras_kernels(fresh_dynamo):
+    """Without autograd the compiled DoRA forward runs LoRA's kernels and matmuls, one for one, plus the graph's one
+    norm-op call: ``g`` scales the LoRA output's columns in the pointwise kernel the output takes anyway (``s·g·B``
+    was one more kernel per module). Outputs equal the eager forward's."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    def calls(dora_on: bool):
+        torch._dynamo.reset()
+        model = _dora_model(ThreeLinear(), ["l1", "l2", "l3"], dora_on=dora_on).eval().to(torch.bfloat16)
+        x = torch.randn(6, 32, generator=torch.Generator().manual_seed(8), dtype=torch.bfloat16)
+        with torch.no_grad():
+            out, code = run_and_get_code(torch.compile(model, fullgraph=True), x)
+            assert_close(out, model(x))
+        return re.findall(
+            r"^\s+(?:\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.\w+\.\w+\.\w+)\(", "\n".join(code), re.M
+        )
+
+    lora, dora_calls = calls(False), calls(True)
+    assert dora_calls.count("torch.ops.peft.dora_weight_norms.default") == 1
+    kernels = [c for c in dora_calls if not c.startswith("torch.ops.peft.")]
+    # no more kernels than LoRA's (Inductor may fuse one more of DoRA's), as many matmuls (``mm`` or ``addmm``: where
+    # a bias is added may differ)
+    assert len(kernels) <= len(lora)
+    assert sum(c.startswith("extern") for c in kernels) == sum(c.startswith("extern") for c in lora)
 
 
 def test_batch_norm_ops_groups_by_dtype_and_leaves_computed_weights_alone():
