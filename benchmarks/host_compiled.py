@@ -1,10 +1,12 @@
-"""Host time of a compiled DoRA Linear against a compiled LoRA Linear, per module and eval forward.
+"""Host time of a compiled DoRA Linear against a compiled LoRA Linear, per module and eval forward (or training step).
 
 A model of ``--modules`` chained ``nn.Linear(64, 64)`` with LoRA or DoRA (r = 8) on every one, ``torch.compile``d
 (``default``), called in eval mode without autograd on 16 tokens: the tensors are so small that the time is the
 host's, which is what a compiled DoRA forward adds per module at small shapes (the norm op's call, its memo lookup,
 ``g``'s kernels). LoRA and DoRA are timed in alternating rounds in one process; each round is the mean over
-``--calls`` calls, the record keeps every round and the medians, in µs per module.
+``--calls`` calls, the record keeps every round and the medians, in µs per module. ``--measure train`` times a
+training step instead (forward, backward of the sum, gradients set to None); there a CPU computes every training
+norm for real, where a GPU replays a norm graph, so that measure does not stand in for the GPU's host time.
 
     python benchmarks/host_compiled.py --out benchmarks/results/profile/host_compiled_eval.json
 """
