@@ -179,9 +179,9 @@ class DoraLinearLayer(nn.Module):
         self.last_tier: Optional[str] = None  # the dispatch tier of the latest forward
         self._reuse = LayerReuse()  # what this layer keeps across forwards; not part of the state_dict
         self._dora_cache: dict[str, Any] = {}  # ENABLE_DORA_CACHING's values, under upstream's name
-        # torch.compile: the norm op's output saved through checkpointed regions, not recomputed (set here, in eager
-        # code: a pass set while Dynamo traces is traced, not run)
-        dora_norm.keep_norm_through_checkpoints()
+        # torch.compile: the norm op's output saved through checkpointed regions, not recomputed, and a graph's norm
+        # op calls made one (set here, in eager code: a pass set while Dynamo traces is traced, not run)
+        dora_norm.set_norm_passes()
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
@@ -882,7 +882,10 @@ class DoraLinearLayer(nn.Module):
         if plan is not self._reuse.decode:
             return None
         held = self._record_holds(made, x, result, lora_A, lora_B, scaling, base_layer, adapter_name)
-        if held is None or held[0][0] is not plan.weight_a or held[0][1] is not plan.weight_b:
+        if held is None:
+            return None
+        (weight_a, weight_b), _ = held
+        if weight_a is not plan.weight_a or weight_b is not plan.weight_b:
             return None
         if plan.key != dora_decode.plan_key(x, result):
             return None

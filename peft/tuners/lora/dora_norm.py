@@ -763,7 +763,7 @@ def batch_norm_ops(graph) -> None:
             graph.erase_node(node)
 
 
-def keep_norm_through_checkpoints() -> None:
+def set_norm_passes() -> None:
     """Set Inductor's passes for the norm op where none is set: :func:`save_norm_in_checkpoints` as the joint-graph
     pass (``joint_custom_pre_pass``, run before the partitioner) and :func:`batch_norm_ops` as the post-grad one
     (``post_grad_custom_post_pass``, run on each partitioned graph). When a DoRA layer is made, in eager code (Dynamo
@@ -781,9 +781,10 @@ def keep_norm_through_checkpoints() -> None:
     except (ImportError, AttributeError):  # an optional speed-up: making a DoRA layer never fails for it
         return
     passes = _norm_pass_types()
+    if passes is None:
+        return
     for name in missing:
-        if passes is not None:
-            setattr(inductor_config, name, passes[name]())
+        setattr(inductor_config, name, passes[name]())
 
 
 @functools.cache

@@ -673,6 +673,6 @@ def test_a_dora_layer_is_made_where_inductor_lacks_the_setting(monkeypatch):
 
     monkeypatch.setattr(torch._inductor, "config", NoSetting())
     monkeypatch.setitem(sys.modules, "torch._inductor.config", NoSetting())
-    dora_norm.keep_norm_through_checkpoints()  # no error
+    dora_norm.set_norm_passes()  # no error
     model = _dora_model(TwoLinear(), ["l1", "l2"])
     assert any("lora_magnitude_vector" in n for n, _ in model.named_parameters())
