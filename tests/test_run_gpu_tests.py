@@ -99,3 +99,17 @@ total: 1 failed, 136 passed in 326 s wall; FAILED
 """
     counts, incomplete = R.completed_counts(summary)
     assert counts == {"passed": 419, "failed": 1} and incomplete == 1
+
+
+def test_completed_counts_keep_a_group_killed_after_pytests_final_line():
+    killed_in_exit = """## group 0, GPUs 0,1, exit -9: a.py
+0.00s teardown tests/a.py::test_x
+============ 456 passed, 6 skipped, 3 warnings in 539.53s (0:08:59) ============
+## seconds per file (pytest --durations)
+   204.48s call a.py::(all)
+total: 456 passed, 6 skipped in 545 s wall; FAILED
+"""
+    assert R.completed_counts(killed_in_exit) == ({"passed": 456, "skipped": 6}, 0)
+    # killed mid-run: the per-test lines hold counts-like text, but pytest's final line is missing
+    killed_mid_run = "## group 0, GPUs 0,1, exit -9: a.py\ntests/a.py::test_y[3 passed] PASSED\n"
+    assert R.completed_counts(killed_mid_run) == ({}, 1)
