@@ -1409,7 +1409,8 @@ def print_rank_tables(doc: dict) -> None:
     for key, val in conv.items():
         if key.endswith("upstream") or key.startswith("ours_eager_vs"):
             print(f"convergence {key}: mean |dloss| {val['mean_abs_dloss']:.3g}, max {val['max_abs_dloss']:.3g}")
-    print("headline (r=%d): %s" % (rank, json.dumps(headline_values(doc))))
+    at = "every compiled point" if doc["config"].get("compile") else f"r={rank}"  # compiled keys: worst over points
+    print(f"headline ({at}): {json.dumps(headline_values(doc))}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
