@@ -39,7 +39,7 @@ from .dora_cache import (
     storage_pins,
 )
 from .dora_dispatch import records_grad
-from .dora_graph import graph_counts, hand_out, same_objects, versions
+from .dora_graph import NormGraph, graph_counts, hand_out, same_objects, versions
 from .dora_launch import INTERPRET
 from .dora_settings import current as settings
 from .dora_settings import get_dora_norm_threshold_bytes
@@ -453,6 +453,26 @@ class _OpRecord:
         """What a kept ``||W||²`` is valid for (None: the graph reads none): W's version and the merge epoch."""
         return None if w_sq is None else (weight._version, _merge_epoch[0])
 
+    def holds(self, weight, lora_A, lora_B, scale) -> bool:
+        """Whether this record is of these very objects, with the layout and scaling it was made for."""
+        return (
+            same_objects(self.refs, (weight, lora_A, lora_B))
+            and self._layout(weight, lora_A, lora_B, scale) == self.layout
+        )
+
+    def graph_current(self, weight, frozen) -> bool:
+        """Whether the record's norm graph (if captured) may be replayed now: the settings, ``frozen`` and its
+        ``||W||²`` operand's validity are those it was captured under."""
+        if self.graph is None:
+            return False
+        return (settings(), frozen, self._w_sq_state(weight, self.graph[2])) == self.graph_state
+
+    def replayed_into(self, value: torch.Tensor, weight, lora_A, lora_B) -> None:
+        """Keep ``value``, the norm a batch's graph (:class:`_BatchGraph`) has just written from these objects' current
+        values, as this record's own replay would have kept its output."""
+        self.value, self.state = value, self._state(weight, lora_A, lora_B)
+        self.inference = torch.is_inference_mode_enabled()
+
     def answer(self, weight, lora_A, lora_B, scale, reuse, frozen, eager=False, copy=True) -> Optional[torch.Tensor]:
         """The norm for this call, or None where the caller's own path must answer. ``eager``: an eager training
         forward's record (:func:`eager_record`), which answers only under the settings it was made with and
@@ -460,9 +480,7 @@ class _OpRecord:
         ``copy=False``: the kept value or the graph's output buffer itself, for a caller that copies it at once."""
         if eager and settings() is not self.graph_state[0]:
             return None
-        if not same_objects(self.refs, (weight, lora_A, lora_B)):
-            return None
-        if self._layout(weight, lora_A, lora_B, scale) != self.layout:
+        if not self.holds(weight, lora_A, lora_B, scale):
             return None
         state = self._state(weight, lora_A, lora_B)
         if reuse == 2 or torch._C._current_graph_task_id() != -1:
@@ -471,12 +489,9 @@ class _OpRecord:
                 return self.value.clone() if copy and not eager else self.value
             if reuse == 2:
                 return None
-        if self.graph is None:
+        if not self.graph_current(weight, frozen):
             return None
         graph, out, w_sq, written = self.graph
-        w_sq_state = self._w_sq_state(weight, w_sq)
-        if (settings(), frozen, w_sq_state) != self.graph_state:
-            return None
         _replay_counted(graph, w_sq)
         inference = torch.is_inference_mode_enabled()
         if eager:  # the graph's output buffer, as the layer's graph hands it out (or a copy, captured in inference)
@@ -667,12 +682,114 @@ def _weight_norms_op(weights, lora_As, lora_Bs, scales, reuse, frozen) -> torch.
         raise ValueError("peft::dora_weight_norms takes at least one (weight, lora_A, lora_B) triple")
     one_device = all(w.device == weights[0].device for w in weights)
     streams = (_on_default_stream(weights[0]), capturing(weights)) if one_device else None
+    if streams == (True, False) and weights[0].is_cuda:
+        out = _BatchGraph.replay_for(weights, lora_As, lora_Bs, scales, reuse, frozen)
+        if out is not None:
+            return out
     return torch.cat(
         [
             _weight_norm(*args, copy=False, streams=streams)
             for args in zip(weights, lora_As, lora_Bs, scales, reuse, frozen)
         ]
     )
+
+
+class _BatchGraph:
+    """One CUDA graph for the training norms of a ``dora_weight_norms`` call whose every triple would replay its own
+    record's norm graph (:meth:`_OpRecord.answer`): one graph launch per compiled forward instead of one per DoRA
+    Linear (each a ``cudaGraphLaunch`` and the Python around it, on a short compiled step's critical path).
+
+    It is captured, on the first such call, from the records themselves: each triple's norm computed as its graph
+    computes it (``factored_row_norm`` with the record's ``||W||²`` operand, under the settings the record checks),
+    written into its slice of one output buffer (the caching allocator's; temporaries go to the device's shared norm
+    pool, as the layers' graphs do, see ``dora_graph``). It is replayed only while every triple's record is the very
+    record it was captured from (weak references: a record made anew, after a change of object, storage, layout,
+    scaling, settings or ``||W||²``, is another object, and the batch captures again) and would replay now
+    (:meth:`_OpRecord.holds`, :meth:`_OpRecord.graph_current`). The records then keep their slices, as their own
+    replays keep their graphs' outputs, for a checkpoint's recompute. Callers get a copy of the buffer."""
+
+    __slots__ = ("refs", "graph", "views", "__weakref__")
+
+    def __init__(self, records: list, drop) -> None:
+        self.refs = tuple(weakref.ref(record, drop) for record in records)
+        self.graph, self.views = NormGraph(), None
+
+    def current(self, records: list) -> bool:
+        return len(self.refs) == len(records) and all(ref() is r for ref, r in zip(self.refs, records))
+
+    @staticmethod
+    def replay_for(weights, lora_As, lora_Bs, scales, reuse, frozen) -> Optional[torch.Tensor]:
+        """The batch's norms from one graph launch, or None where any triple would not replay its record's graph
+        (no record, reuse other than a training forward's, the backward, a change the record does not match) or the
+        capture failed: the caller then answers triple by triple."""
+        if len(weights) < 2 or torch._C._current_graph_task_id() != -1:
+            return None
+        records = []
+        for weight, lora_A, lora_B, scale, code, grad_free in zip(weights, lora_As, lora_Bs, scales, reuse, frozen):
+            record = _op_records.get((id(weight), id(lora_A), id(lora_B)))
+            if code != _REUSE_CODES["recompute"] or record is None:
+                return None
+            if not record.holds(weight, lora_A, lora_B, scale) or not record.graph_current(weight, grad_free):
+                return None
+            records.append(record)
+        key = tuple(map(id, records))
+        batch = _batch_graphs.get(key)
+        if batch is None or not batch.current(records):
+            batch = _BatchGraph._made(key, records)
+            if not batch._capture(records, weights, lora_As, lora_Bs, scales):
+                return None
+        elif batch.graph.failed:
+            return None
+        else:
+            batch.graph.graph.replay()
+            graph_counts["replayed"] += 1
+        graph_counts["batch_replayed"] += 1
+        for record, view, weight, lora_A, lora_B in zip(records, batch.views, weights, lora_As, lora_Bs):
+            norm_counts["norm_computed"] += 1
+            if record.graph[2] is not None:
+                norm_counts["w_sq_reused"] += 1
+            record.replayed_into(view, weight, lora_A, lora_B)
+        return batch.graph.out.clone()
+
+    @staticmethod
+    def _made(key: tuple, records: list) -> _BatchGraph:
+        """A new batch for ``records`` in ``_batch_graphs``, dropped from there once one of them dies."""
+        table = _batch_graphs  # the table itself: see ``_record``'s drop
+        mine = None
+
+        def drop(_ref) -> None:
+            kept = mine()
+            if kept is not None and table.get(key) is kept:
+                del table[key]
+
+        batch = _BatchGraph(records, drop)
+        mine = weakref.ref(batch)
+        _batch_graphs[key] = batch
+        return batch
+
+    def _capture(self, records, weights, lora_As, lora_Bs, scales) -> bool:
+        operands = [
+            (weight, lora_A, lora_B, float(scale), record.graph[2])
+            for record, weight, lora_A, lora_B, scale in zip(records, weights, lora_As, lora_Bs, scales)
+        ]
+
+        def compute() -> torch.Tensor:
+            return torch.cat(
+                [
+                    factored_row_norm(weight, lora_A, lora_B, scale, w_sq=w_sq)
+                    for weight, lora_A, lora_B, scale, w_sq in operands
+                ]
+            )
+
+        out = self.graph._capture(weights[0].device, compute)  # captured, and replayed once
+        if out is None:
+            return False
+        sizes = [weight.shape[0] for weight in weights]
+        self.views = out.split(sizes)
+        return True
+
+
+_batch_graphs: dict = {}  # the ids of a batch's records, in order -> _BatchGraph
 
 
 def _weight_norms_op_fake(weights, lora_As, lora_Bs, scales, reuse, frozen):

@@ -118,10 +118,11 @@ def test_compiled_dora_compiles_once_per_mode(mode, precision, dropout):
 
 @pytest.mark.parametrize("precision", ("bf16", "autocast"))
 def test_compiled_training_replays_norm_graphs_that_follow_updates(precision):
-    """A compiled training forward computes each module's norm by replaying a CUDA graph (the norm op's, keyed by the
-    parameters' storage), and the graphs read what is written into the parameters in place: after every AdamW step,
-    and after B is scaled by 1.5 in place (a norm change far above bf16 noise), the compiled training forward equals
-    the same model's eager one. A graph that replayed stale inputs, or a norm kept across steps, would not."""
+    """A compiled training forward computes its modules' norms by replaying CUDA graphs (first each module's, keyed by
+    the parameters' storage, then one for the forward's batch of them, ``dora_norm._BatchGraph``), and the graphs read
+    what is written into the parameters in place: after every AdamW step, and after B is scaled by 1.5 in place (a
+    norm change far above bf16 noise), the compiled training forward equals the same model's eager one. A graph that
+    replayed stale inputs, or a norm kept across steps, would not."""
     from peft.tuners.lora import dora
 
     steps = 6
@@ -130,12 +131,13 @@ def test_compiled_training_replays_norm_graphs_that_follow_updates(precision):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     x = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "autocast")
-    replays = 0
+    launches, batches = [], []
     for step in range(steps):
-        before = dora.graph_counts["replayed"]
+        before = dict(dora.graph_counts)
         with autocast:
             out = compiled(x)
-        replays += dora.graph_counts["replayed"] - before
+        launches.append(dora.graph_counts["replayed"] - before.get("replayed", 0))
+        batches.append(dora.graph_counts["batch_replayed"] - before.get("batch_replayed", 0))
         with autocast:
             ref = model(x)  # eager, same parameters
         err = _rel_err(out, ref)
@@ -147,8 +149,36 @@ def test_compiled_training_replays_norm_graphs_that_follow_updates(precision):
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.mul_(1.5)
-    # two DoRA modules; each computes eagerly on its first forward, captures (and replays once) on its second
-    assert replays >= 2 * (steps - 1), replays
+    # two DoRA modules: both compute eagerly in the first forward; each captures (and replays once) its own graph in
+    # the second; the third captures the batch's graph, which every later forward launches once for both
+    assert launches == [0, 2] + [1] * (steps - 2), launches
+    assert batches == [0, 0] + [1] * (steps - 2), batches
+
+
+def test_compiled_training_batch_graph_captures_again_for_a_new_storage():
+    """The batch's one graph reads the addresses it was captured with: after ``p.data = ...`` gives one lora_A a new
+    storage with new values (the old one stays allocated, pinned by its record, so a stale replay would read the old
+    values rather than fail), the forwards answer module by module until that module's graph is captured again, then
+    capture the batch anew, and every compiled forward equals the eager one."""
+    from peft.tuners.lora import dora
+
+    model = _model("bf16", 0.0)
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
+    lora_A = next(p for name, p in model.named_parameters() if "up.lora_A" in name)
+    batches = []
+    for step in range(7):
+        if step == 4:
+            with torch.no_grad():
+                lora_A.data = lora_A.data * 4.0  # the up projection's norm moves far above bf16 noise
+        before = dora.graph_counts["batch_replayed"]
+        out = compiled(x)
+        batches.append(dora.graph_counts["batch_replayed"] - before)
+        err = _rel_err(out, model(x))
+        assert err < 2e-2, (step, err)
+    # steps 0-1 per module, 2-3 the batch; the new storage: the module computes eagerly (4), captures (5), then the
+    # batch captures again (6)
+    assert batches == [0, 0, 1, 1, 0, 0, 1], batches
 
 
 class _Checkpointed(nn.Module):
