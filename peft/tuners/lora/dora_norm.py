@@ -672,14 +672,18 @@ _LIB.define(
 )
 
 
+def _check_batch(weights) -> None:
+    if not weights:
+        raise ValueError("peft::dora_weight_norms takes at least one (weight, lora_A, lora_B) triple")
+
+
 def _weight_norms_op(weights, lora_As, lora_Bs, scales, reuse, frozen) -> torch.Tensor:
     """``dora_weight_norm`` for every triple, each computed, reused or replayed as that op does it, and one
     concatenation for the copies it would make: one op call, one allocation and one copy kernel per compiled graph
     instead of one of each per DoRA Linear (host time on a short step's critical path). The batch is on one device
     (``batch_norm_ops`` groups by it): its stream and capture state are asked once (per triple where a direct call
     mixes devices)."""
-    if not weights:
-        raise ValueError("peft::dora_weight_norms takes at least one (weight, lora_A, lora_B) triple")
+    _check_batch(weights)
     one_device = all(w.device == weights[0].device for w in weights)
     streams = (_on_default_stream(weights[0]), capturing(weights)) if one_device else None
     if streams == (True, False) and weights[0].is_cuda:
@@ -793,8 +797,7 @@ _batch_graphs: dict = {}  # the ids of a batch's records, in order -> _BatchGrap
 
 
 def _weight_norms_op_fake(weights, lora_As, lora_Bs, scales, reuse, frozen):
-    if not weights:
-        raise ValueError("peft::dora_weight_norms takes at least one (weight, lora_A, lora_B) triple")
+    _check_batch(weights)
     return weights[0].new_empty(sum(w.shape[0] for w in weights), dtype=_acc_dtype(weights[0]))
 
 
