@@ -48,7 +48,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 
 graph_counts: collections.Counter = collections.Counter()
-"""Norm graphs ``captured``, ``replayed`` and ``failed`` (a capture that raised; that key then stays eager)."""
+"""Norm graphs ``captured``, ``replayed`` and ``failed`` (a capture that raised; that key then stays eager), and
+``batch_replayed``: launches of a compiled forward's one graph for all its training norms (``dora_norm._BatchGraph``,
+each also counted as ``replayed``)."""
 
 _pools: dict = {}  # device index -> (memory pool handle shared by every norm graph there, the graphs that use it)
 _streams: dict = {}  # device index -> side stream that captures run on (capture cannot use the default stream)
