@@ -676,3 +676,112 @@ def test_a_dora_layer_is_made_where_inductor_lacks_the_setting(monkeypatch):
     dora_norm.set_norm_passes()  # no error
     model = _dora_model(TwoLinear(), ["l1", "l2"])
     assert any("lora_magnitude_vector" in n for n, _ in model.named_parameters())
+
+
+class _HostGraph:
+    """A captured graph's stand-in on a CPU (CUDA graphs need a GPU): each replay runs the captured computation
+    again, into the buffer a real graph writes."""
+
+    def __init__(self, out, compute):
+        self.out, self.compute = out, compute
+
+    def replay(self) -> None:
+        self.out.copy_(self.compute())
+
+
+def test_batch_graph_bookkeeping_on_a_cpu(monkeypatch):
+    """``dora_norm._BatchGraph`` decides on the host which graph a compiled training forward launches: with the norm
+    graphs run on a CPU by a stand-in that recomputes on every replay (the GPU tests run the real ones), a batch
+    whose every record would replay its own graph is captured once and then launched once per call, its norms those
+    of the current values (after in-place edits too), each record keeping its slice for a checkpoint's recompute; a
+    record made anew (``p.data = ...`` gave one A another storage) sends the calls module by module until every
+    record replays again, then the batch captures again; no batch for eval reuse, in a backward or for one triple;
+    the table drops a batch once its records die."""
+    from peft.tuners.lora import dora_graph, dora_norm
+
+    def capture(self, device, compute):
+        out = compute().clone()
+        self.graph, self.out = _HostGraph(out, compute), out
+        dora_graph.graph_counts["captured"] += 1
+        dora_graph.graph_counts["replayed"] += 1
+        return out
+
+    monkeypatch.setattr(dora_norm, "norm_graph_applies", lambda weight, lora_A, lora_B: True)
+    monkeypatch.setattr(dora_graph.NormGraph, "_capture", capture)
+    torch.manual_seed(0)
+    triples = [
+        (nn.Parameter(torch.randn(d, 40), requires_grad=False), nn.Parameter(torch.randn(6, 40)),
+         nn.Parameter(torch.randn(d, 6)))
+        for d in (24, 8, 16)
+    ]  # fmt: skip
+    scales = [0.7, 1.0, 0.25]
+
+    def columns(reuse=1):
+        weights, lora_As, lora_Bs = (list(c) for c in zip(*triples))
+        return weights, lora_As, lora_Bs, scales, [reuse] * 3, [True] * 3
+
+    def exact():
+        return torch.cat([dora.factored_row_norm(w, a, b, s) for (w, a, b), s in zip(triples, scales)])
+
+    def per_module():  # the op's own path (on a CPU it never takes the batch)
+        with torch.no_grad():
+            return torch.ops.peft.dora_weight_norms.default(*columns())
+
+    def batched(reuse=1):
+        dora.graph_counts.clear()
+        with torch.no_grad():
+            out = dora_norm._BatchGraph.replay_for(*columns(reuse))
+        return out, dora.graph_counts["batch_replayed"], dora.graph_counts["captured"]
+
+    assert_close(per_module(), exact())  # computed: records without a graph
+    assert batched() == (None, 0, 0)
+    assert_close(per_module(), exact())  # each module's graph captured
+    out, launches, captured = batched()
+    assert (launches, captured) == (1, 1)  # the batch captured, launched once
+    assert_close(out, exact())
+    out.mul_(0)  # a copy: the kept slices stay
+    for _ in range(2):
+        with torch.no_grad():
+            triples[1][2].mul_(1.5)  # in place: the graph reads it
+        out, launches, captured = batched()
+        assert (launches, captured) == (1, 0)
+        assert_close(out, exact())
+    # each record keeps its slice of the last launch, at the versions it was computed from
+    for (weight, lora_A, lora_B), piece in zip(triples, exact().split([24, 8, 16])):
+        record = dora_norm._op_records[(id(weight), id(lora_A), id(lora_B))]
+        assert_close(record.value, piece)
+        assert record.state[:3] == (weight._version, lora_A._version, lora_B._version)
+    assert batched(reuse=2)[0] is None  # eval: the kept norms, nothing to launch
+    assert dora_norm._BatchGraph.replay_for(*(c[:1] for c in columns())) is None  # one triple: its own graph
+
+    seen = []
+
+    class InBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(batched())
+            return grad
+
+    InBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert seen == [(None, 0, 0)]  # in a backward: the kept norms, module by module
+
+    triples[0][1].data = triples[0][1].data * 2  # a new storage behind the same A
+    assert batched() == (None, 0, 0)
+    assert_close(per_module(), exact())  # that module computes (a new record), the others replay
+    assert batched() == (None, 0, 0)
+    assert_close(per_module(), exact())  # its graph captured
+    out, launches, captured = batched()
+    assert (launches, captured) == (1, 1)  # the batch captured again, from the new record
+    assert_close(out, exact())
+
+    # the table holds a batch only while its records live (a record dies with any of its parameters; here the
+    # stand-in's replay function holds the parameters, so the records are dropped from their own table instead)
+    del record
+    assert len(dora_norm._batch_graphs) == 1  # the first batch went with its record for the old A
+    dora_norm._op_records.clear()
+    gc.collect()
+    assert not dora_norm._batch_graphs
