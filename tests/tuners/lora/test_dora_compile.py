@@ -339,6 +339,24 @@ def _op(weight, lora_A, lora_B, scale, reuse):
         return torch.ops.peft.dora_weight_norm.default(weight, lora_A, lora_B, scale, reuse, True)
 
 
+def _in_backward(fn):
+    """``fn()``'s result, called inside an autograd backward (where a checkpoint's recompute runs)."""
+    seen = []
+
+    class InBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(fn())
+            return grad
+
+    InBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    return seen[0]
+
+
 def test_norm_op_record_answers_only_what_the_memos_would():
     """Inductor hands the norm op the parameters themselves, the same objects every call: a call with the very same
     objects is answered from the op's record (no memo keys, no weak references to storages). Its answers are the
@@ -386,22 +404,14 @@ def test_norm_op_record_answers_only_what_the_memos_would():
 
     # reuse 1 (a training forward): the kept norm only in a backward, the checkpoint's recompute
     assert not call(reuse=1)[1] and not call(reuse=1)[1]
-    seen = []
 
-    class InBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
+    def recompute():
+        dora.norm_counts.clear()
+        return _op(weight, lora_A, lora_B, 0.7, 1), dora.norm_counts["norm_reused"]
 
-        @staticmethod
-        def backward(ctx, grad):
-            dora.norm_counts.clear()
-            seen.append((_op(weight, lora_A, lora_B, 0.7, 1), dora.norm_counts["norm_reused"]))
-            return grad
-
-    InBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
-    assert seen[0][1] == 1
-    assert_close(seen[0][0], exact())
+    norm, reused = _in_backward(recompute)
+    assert reused == 1
+    assert_close(norm, exact())
 
 
 def test_norm_op_record_goes_with_its_objects():
@@ -754,20 +764,7 @@ def test_batch_graph_bookkeeping_on_a_cpu(monkeypatch):
     assert batched(reuse=2)[0] is None  # eval: the kept norms, nothing to launch
     assert dora_norm._BatchGraph.replay_for(*(c[:1] for c in columns())) is None  # one triple: its own graph
 
-    seen = []
-
-    class InBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            seen.append(batched())
-            return grad
-
-    InBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
-    assert seen == [(None, 0, 0)]  # in a backward: the kept norms, module by module
+    assert _in_backward(batched) == (None, 0, 0)  # in a backward: the kept norms, module by module
 
     triples[0][1].data = triples[0][1].data * 2  # a new storage behind the same A
     assert batched() == (None, 0, 0)
