@@ -87,6 +87,12 @@ def totals(text: str) -> dict[str, int]:
     return found
 
 
+def ran_to_end(code: int, text: str) -> bool:
+    """Whether a group's pytest ran every test: its exit status says so (0 all passed, 1 some failed), or a signal
+    (this script's limit) killed it after pytest printed its final line, when only the interpreter's exit was cut."""
+    return code in (0, 1) or (code < 0 and _FINAL.search(text) is not None)
+
+
 def completed_counts(summary: str) -> tuple[dict[str, int], int]:
     """The counts of the groups whose pytest ran to its end in one or more summaries of this script (concatenated, as
     when a group killed at its limit was run again), and how many groups did not (a killed group's counts are
@@ -96,11 +102,11 @@ def completed_counts(summary: str) -> tuple[dict[str, int], int]:
     incomplete = 0
     for block in re.split(r"^(?=## group \d+, )", summary, flags=re.M)[1:]:
         code = re.match(r"## group \d+, .*?exit (-?\d+)", block)
-        ran = code is not None and (code.group(1) in ("0", "1") or _FINAL.search(block.split("## seconds per")[0]))
-        if not ran:  # pytest: 0 all passed, 1 some failed; else cut short
+        output = block.split("## seconds per file")[0]
+        if code is None or not ran_to_end(int(code.group(1)), output):
             incomplete += 1
             continue
-        for k, v in totals(block.split("## seconds per file")[0]).items():
+        for k, v in totals(output).items():
             counts[k] = counts.get(k, 0) + v
     return counts, incomplete
 
@@ -207,7 +213,7 @@ def main(argv=None) -> int:
     lines += [f"{per_file[name]:9.2f}s call {name}::(all)" for name in sorted(per_file, key=per_file.get, reverse=True)]
     summary = ", ".join(f"{v} {k}" for k, v in sorted(grand.items()))
     ok = (
-        all(code == 0 or (code < 0 and _FINAL.search(text)) for code, text in zip(codes, texts))
+        all(code == 0 or (code < 0 and ran_to_end(code, text)) for code, text in zip(codes, texts))
         and not grand.get("failed")
         and not grand.get("errors")
         and grand.get("passed", 0) > 0

@@ -505,11 +505,16 @@ class _OpRecord:
         return out.clone() if copy else out
 
 
-def _replay_counted(graph, w_sq) -> None:
-    """One replay of a record's norm graph, counted as a norm computed (and ``||W||²`` reused where it reads one)."""
+def _count_replayed_norm(w_sq) -> None:
+    """A norm written by a graph replay, counted as computed (and ``||W||²`` reused where the graph reads one)."""
     norm_counts["norm_computed"] += 1
     if w_sq is not None:
         norm_counts["w_sq_reused"] += 1
+
+
+def _replay_counted(graph, w_sq) -> None:
+    """One replay of a record's norm graph, counted as a norm computed (:func:`_count_replayed_norm`)."""
+    _count_replayed_norm(w_sq)
     graph.replay()
     graph_counts["replayed"] += 1
 
@@ -524,19 +529,29 @@ def _record(sources: tuple, scale: float, frozen: bool, value: torch.Tensor, gra
     are these objects' while their data pointers are, and the ``||W||²`` held here)."""
     weight, lora_A, lora_B = sources
     key = (id(weight), id(lora_A), id(lora_B))
-    mine = None  # the record's weak reference, set below: drop runs only once an object dies, after that
-    # the table itself, not the module global: an object that dies at interpreter exit may outlive this module's
-    # globals (set to None by then), and the callback would raise into the exit's output
-    records = _op_records
+    # one of the objects died: its id may be taken by a new object, with a record of its own
+    drop, bind = _entry_dropper(_op_records, key)
+    _op_records[key] = bind(_make_record(sources, scale, frozen, value, graph, w_sq, drop))
 
-    def drop(_ref) -> None:  # one of the objects died: its id may be taken by a new object, with a record of its own
+
+def _entry_dropper(table: dict, key) -> tuple:
+    """``(drop, bind)``: ``drop``, a weak reference's callback, deletes ``table[key]`` while it still holds the entry
+    ``bind(entry)`` named (and returned); a later entry under the same key stays. ``drop`` holds ``table`` itself, not
+    the module global: an object that dies at interpreter exit may outlive this module's globals (set to None by
+    then), and the callback would raise into the exit's output."""
+    mine = None  # the entry's weak reference, set by bind: drop runs only once a referent dies, after that
+
+    def drop(_ref) -> None:
         kept = mine()
-        if kept is not None and records.get(key) is kept:
-            del records[key]
+        if kept is not None and table.get(key) is kept:
+            del table[key]
 
-    record = _make_record(sources, scale, frozen, value, graph, w_sq, drop)
-    mine = weakref.ref(record)
-    _op_records[key] = record
+    def bind(entry):
+        nonlocal mine
+        mine = weakref.ref(entry)
+        return entry
+
+    return drop, bind
 
 
 def _make_record(sources: tuple, scale: float, frozen: bool, value: torch.Tensor, graph, w_sq, drop=None) -> _OpRecord:
@@ -749,26 +764,15 @@ class _BatchGraph:
             graph_counts["replayed"] += 1
         graph_counts["batch_replayed"] += 1
         for record, view, weight, lora_A, lora_B in zip(records, batch.views, weights, lora_As, lora_Bs):
-            norm_counts["norm_computed"] += 1
-            if record.graph[2] is not None:
-                norm_counts["w_sq_reused"] += 1
+            _count_replayed_norm(record.graph[2])
             record.replayed_into(view, weight, lora_A, lora_B)
         return batch.graph.out.clone()
 
     @staticmethod
     def _made(key: tuple, records: list) -> _BatchGraph:
         """A new batch for ``records`` in ``_batch_graphs``, dropped from there once one of them dies."""
-        table = _batch_graphs  # the table itself: see ``_record``'s drop
-        mine = None
-
-        def drop(_ref) -> None:
-            kept = mine()
-            if kept is not None and table.get(key) is kept:
-                del table[key]
-
-        batch = _BatchGraph(records, drop)
-        mine = weakref.ref(batch)
-        _batch_graphs[key] = batch
+        drop, bind = _entry_dropper(_batch_graphs, key)
+        batch = _batch_graphs[key] = bind(_BatchGraph(records, drop))
         return batch
 
     def _capture(self, records, weights, lora_As, lora_Bs, scales) -> bool:
