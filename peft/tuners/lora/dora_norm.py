@@ -808,6 +808,32 @@ def _weight_norms_op_fake(weights, lora_As, lora_Bs, scales, reuse, frozen):
 _LIB.impl("dora_weight_norms", _weight_norms_op, "CompositeExplicitAutograd")
 torch.library.register_fake("peft::dora_weight_norms", _weight_norms_op_fake, lib=_LIB)
 
+# The same op, tagged for Inductor to run outside its CUDA graphs (``mode="reduce-overhead"``): ``batch_norm_ops``
+# puts it in place of ``dora_weight_norms`` where Inductor cuts a graph's CUDA graphs around such ops
+# (``graph_partition``). Inside a CUDA graph every replay recomputes every norm, reading every ``W``; outside, the op
+# answers from its records as under ``mode="default"``: the kept norms in eval forwards, one batch graph launch in
+# training ones. Where Inductor does not partition, a tagged op would take CUDA graphs off the whole graph instead.
+_UNCAPTURED_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else None
+if _UNCAPTURED_TAGS:
+    _LIB.define(
+        "dora_weight_norms_uncaptured(Tensor[] weights, Tensor[] lora_As, Tensor[] lora_Bs, float[] scales, "
+        "int[] reuse, bool[] frozen) -> Tensor",
+        tags=_UNCAPTURED_TAGS,
+    )
+    _LIB.impl("dora_weight_norms_uncaptured", _weight_norms_op, "CompositeExplicitAutograd")
+    torch.library.register_fake("peft::dora_weight_norms_uncaptured", _weight_norms_op_fake, lib=_LIB)
+
+
+def _batched_norms_op(inductor_config):
+    """The op ``batch_norm_ops`` puts in a graph: the one Inductor runs outside its CUDA graphs where it compiles
+    with them and cuts them around such ops, else ``dora_weight_norms``."""
+    partitioned = getattr(inductor_config.triton, "cudagraphs", False) and getattr(
+        inductor_config, "graph_partition", False
+    )
+    if partitioned and _UNCAPTURED_TAGS:
+        return torch.ops.peft.dora_weight_norms_uncaptured.default
+    return torch.ops.peft.dora_weight_norms.default
+
 
 def compiled_weight_norm(layer: nn.Module, weight, lora_A, lora_B, scale) -> torch.Tensor:
     """Under torch.compile: the norm of ``weight + scale·lora_B·lora_A`` (2-D operands as ``factored_row_norm``
@@ -850,10 +876,16 @@ def batch_norm_ops(graph) -> None:
     its result. Each norm is computed as before, by the same rules; in a short compiled step the per-module op
     calls, allocations and copies were host time on the critical path (one H200, 8-layer Llama-8B shape, r = 16,
     512 tokens: ~40 µs per module and eval forward under cProfile). The graph's norms are then all computed
-    before its first layer runs: they read parameters only."""
+    before its first layer runs: they read parameters only. Where Inductor compiles CUDA graphs and cuts them around
+    ops tagged for it (``mode="reduce-overhead"``, ``graph_partition``), the batch, even of one call, is
+    ``dora_weight_norms_uncaptured``, right after the graph's inputs: it runs ahead of the graph's one CUDA graph, not
+    inside it (:func:`_batched_norms_op`)."""
     from torch._guards import detect_fake_mode
+    from torch._inductor import config as inductor_config
 
     op = torch.ops.peft.dora_weight_norm.default
+    batched_op = _batched_norms_op(inductor_config)
+    single = batched_op is not torch.ops.peft.dora_weight_norms.default  # a batch of one is worth it
     groups: dict = {}
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not op or len(node.args) != 6 or node.kwargs:
@@ -864,10 +896,11 @@ def batch_norm_ops(graph) -> None:
             continue  # no fake value to build the batch's from, or a symbolic size (parameters have none)
         if all(getattr(t, "op", None) == "placeholder" for t in tensors):
             groups.setdefault((value.device, value.dtype), []).append(node)
+    first = next(node for node in graph.nodes if node.op != "placeholder")  # the graph's first node past its inputs
     for nodes in groups.values():
         values = [node.meta["val"] for node in nodes]
         fake_mode = detect_fake_mode(values)
-        if len(nodes) < 2 or fake_mode is None:
+        if len(nodes) < (1 if single else 2) or fake_mode is None:
             continue
         with fake_mode:
             batched_value = torch.cat(values)
@@ -875,9 +908,9 @@ def batch_norm_ops(graph) -> None:
             for value in values:
                 offsets.append(offsets[-1] + value.shape[0])
             pieces = [batched_value[start:end] for start, end in zip(offsets, offsets[1:])]
-        with graph.inserting_before(nodes[0]):  # after the placeholders, ahead of every use
+        with graph.inserting_before(first):  # right after the graph's inputs, the only nodes it reads
             columns = tuple(list(column) for column in zip(*(node.args for node in nodes)))
-            batched = graph.call_function(torch.ops.peft.dora_weight_norms.default, columns)
+            batched = graph.call_function(batched_op, columns)
             batched.meta["val"] = batched_value
             for node, start, end, piece_value in zip(nodes, offsets, offsets[1:], pieces):
                 piece = graph.call_function(torch.ops.aten.slice.Tensor, (batched, 0, start, end))

@@ -210,6 +210,12 @@ def test_norms_op_opcheck_and_values():
         assert_close(torch.ops.peft.dora_weight_norms.default(*args), expected)
     with pytest.raises(ValueError, match="at least one"):
         torch.ops.peft.dora_weight_norms.default([], [], [], [], [], [])
+    # its twin for outside CUDA graphs: the same op, tagged
+    uncaptured = torch.ops.peft.dora_weight_norms_uncaptured.default
+    assert torch.Tag.cudagraph_unsafe in uncaptured.tags
+    assert torch.Tag.cudagraph_unsafe not in torch.ops.peft.dora_weight_norms.default.tags
+    torch.library.opcheck(uncaptured, args)
+    assert_close(uncaptured(*args), expected)
 
 
 class ThreeLinear(nn.Module):
@@ -332,6 +338,53 @@ def test_batch_norm_ops_groups_by_dtype_and_leaves_computed_weights_alone():
     for got, want in zip(gm(*args), expected):
         assert got.dtype == want.dtype
         assert_close(got, want)
+
+
+def test_batch_norm_ops_puts_the_batch_ahead_of_cuda_graphs():
+    """Where Inductor compiles CUDA graphs and cuts them around tagged ops (``mode="reduce-overhead"`` with
+    ``graph_partition``), the batch is the tagged twin, also for a single call, placed right after the graph's inputs
+    (ahead of the rest of the graph, which then makes one CUDA graph); without CUDA graphs, or where Inductor does not
+    partition (a tagged op would take CUDA graphs off the whole graph), the plain batched op at the same place. The
+    graph computes what it computed before."""
+    from torch._inductor import config as inductor_config
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from peft.tuners.lora.dora_norm import batch_norm_ops
+
+    def fn(x, w1, a1, b1, w2, a2, b2, w3, a3, b3):
+        op = torch.ops.peft.dora_weight_norm.default
+        h = torch.relu(x @ w1.T) * op(w1, a1, b1, 0.5, 2, True)
+        h = torch.relu(h @ w2.T) * op(w2, a2, b2, 1.0, 2, True)
+        return h, op(w3, a3, b3, 1.0, 2, True)  # float64: a group of one
+
+    gen = torch.Generator().manual_seed(9)
+    args = [torch.randn(5, 40, generator=gen)]
+    for d_out, d_in, dtype in ((24, 40, torch.float32), (8, 24, torch.float32), (12, 40, torch.float64)):
+        args += [torch.randn(d_out, d_in, generator=gen, dtype=dtype), torch.randn(4, d_in, generator=gen, dtype=dtype),
+                 torch.randn(d_out, 4, generator=gen, dtype=dtype)]  # fmt: skip
+    plain, uncaptured = torch.ops.peft.dora_weight_norms.default, torch.ops.peft.dora_weight_norms_uncaptured.default
+    cases = (
+        ({"triton.cudagraphs": True, "graph_partition": True}, [uncaptured, uncaptured]),
+        ({"triton.cudagraphs": True, "graph_partition": False}, [plain]),
+        ({"triton.cudagraphs": False, "graph_partition": True}, [plain]),
+    )
+    for settings, batches in cases:
+        gm = make_fx(fn, tracing_mode="fake")(*args)
+        expected = gm(*args)
+        with inductor_config.patch(settings):
+            batch_norm_ops(gm.graph)
+        gm.recompile()
+        nodes = [n for n in gm.graph.nodes if n.op != "placeholder"]
+        found = [n.target for n in nodes if n.target in (plain, uncaptured)]
+        assert found == batches, settings
+        # the batches (and their slices) first, right after the inputs; no per-module call left but the single
+        # float64 one's where a batch of one is not worth it
+        last = max(i for i, n in enumerate(nodes) if n.target in (plain, uncaptured))
+        assert all(n.target in (plain, uncaptured, torch.ops.aten.slice.Tensor) for n in nodes[: last + 1]), settings
+        left = [n for n in nodes if n.target is torch.ops.peft.dora_weight_norm.default]
+        assert len(left) == (0 if len(batches) == 2 else 1), settings
+        for got, want in zip(gm(*args), expected):
+            assert_close(got, want)
 
 
 def _op(weight, lora_A, lora_B, scale, reuse):

@@ -230,3 +230,36 @@ def test_checkpointed_compiled_training_saves_the_norm_and_follows_updates(mode)
             assert _rel_err(params[n].grad, g) < 3e-2, (step, n)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+
+def test_reduce_overhead_eval_takes_kept_norms_outside_the_cuda_graph():
+    """Under ``mode="reduce-overhead"`` the graph's norms come from ``dora_weight_norms_uncaptured``, which Inductor
+    runs ahead of the graph's CUDA graph: every eval forward, CUDA-graph replays included, calls the op, which
+    answers both modules from the norms it keeps (inside the CUDA graph every replay recomputed them, reading every
+    W); an in-place edit of B between calls is seen (that module's norm computed again), and every output equals
+    the eager model's."""
+    from torch._inductor import config as inductor_config
+
+    from peft.tuners.lora import dora
+
+    if not inductor_config.graph_partition:
+        pytest.skip("this Inductor does not cut CUDA graphs around tagged ops (graph_partition is off)")
+    model = _model("bf16", 0.0).eval()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    x = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
+    lora_B = next(p for name, p in model.named_parameters() if "down.lora_B" in name)
+    reused, computed = [], []
+    with torch.no_grad():
+        for step in range(7):
+            if step == 5:
+                lora_B.mul_(1.5)
+            before = dict(dora.norm_counts)
+            torch.compiler.cudagraph_mark_step_begin()
+            out = compiled(x).clone()
+            reused.append(dora.norm_counts["norm_reused"] - before.get("norm_reused", 0))
+            computed.append(dora.norm_counts["norm_computed"] - before.get("norm_computed", 0))
+            err = _rel_err(out, model(x))
+            assert err < 2e-2, (step, err)
+    # the first call computes both (and keeps them); every later one reuses both, but for the edited module's once
+    assert computed == [2, 0, 0, 0, 0, 1, 0], computed
+    assert reused == [0, 2, 2, 2, 2, 1, 2], reused
