@@ -44,19 +44,22 @@ def kernel_us(fn, n: int = 20, name_chars: int = 60) -> dict:
     return {k: round(v, 2) for k, v in agg.most_common()}
 
 
-def python_hotspots(fn, calls: int = 1, top: int = 40, under: str = "") -> dict:
+def python_hotspots(fn, calls: int = 1, top: int = 40, under: str = "", before=None) -> dict:
     """Where the host's Python time goes in ``calls`` calls of ``fn`` (cProfile, deterministic): the ``top``
     functions by own time and by cumulative time, ms per call, as ``"file:line(function)"`` with the file cut to its
     last two path parts; ``under`` keeps only functions whose file path contains it (e.g. ``"peft"``) in a third
-    list. cProfile slows Python calls more than C++ ones, so compare shares between kinds, not absolute times."""
+    list; ``before()``, where given, runs unprofiled ahead of every call. cProfile slows Python calls more than C++
+    ones, so compare shares between kinds, not absolute times."""
     import cProfile
     import pstats
 
     prof = cProfile.Profile()
-    prof.enable()
     for _ in range(calls):
+        if before is not None:
+            before()
+        prof.enable()
         fn()
-    prof.disable()
+        prof.disable()
     stats = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
 
     def label(key) -> str:
