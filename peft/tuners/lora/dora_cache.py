@@ -421,9 +421,14 @@ class LayerReuse:
 # The magnitude's zero test: whether a training output node may read ``inner`` back from its output.
 # ---------------------------------------------------------------------------------------------------------------
 
-_zero_watch = WeakIdKeyDictionary()  # CUDA magnitude -> its layer's ``zero_free`` memo, for prefetch_zero_tests
+_zero_watch = WeakIdKeyDictionary()  # magnitude -> its layer's ``zero_free`` memo, for prefetch_zero_tests
 _shard_watch = WeakIdKeyDictionary()  # FSDP2 sharded magnitude -> (memo, local shard, weakref to the gathered copy,
 # shard group), for prefetch_shard_zero_tests
+
+# Devices whose magnitudes the optimizer-step hook tests (prefetch_zero_tests): on CUDA ahead of the forwards that read
+# the answer; on a CPU, where nothing runs ahead, one test of all magnitudes per step instead of one per module and
+# forward (and the same code path as on a GPU). Others (meta, ...) test in their nodes.
+_PREFETCHED = ("cuda", "cpu")
 
 
 def output_saves_itself(magnitude: torch.Tensor, known: Optional[Memo]) -> bool:
@@ -454,7 +459,7 @@ def output_saves_itself(magnitude: torch.Tensor, known: Optional[Memo]) -> bool:
         no_zero = bool(_has_zero(magnitude).logical_not_())
     if known is not None:
         known.put((magnitude,), no_zero)
-        if type(known) is Memo and magnitude.is_cuda and type(magnitude) is nn.Parameter:
+        if type(known) is Memo and type(magnitude) is nn.Parameter and magnitude.device.type in _PREFETCHED:
             # not DeepSpeed's partitioned parameters (ds_id), nor FSDP2's gathered ones (a KeyedMemo, below): the
             # step hook would read a gathered copy whose shard the step has just changed
             if not hasattr(magnitude, "ds_id"):
@@ -510,20 +515,26 @@ def prefetch_zero_tests() -> None:
     Magnitudes that do not require a gradient now are tested too: every optimizer step ends every memo (the epoch),
     also the step of an optimizer that never saw them. Two adapters trained in turn (``set_adapter`` freezes the
     inactive one) would otherwise find their answers gone after the other adapter's step, and wait for the GPU once
-    per module in their next forward."""
+    per module in their next forward.
+
+    CPU magnitudes are tested here too, synchronously (nothing runs ahead there): one test per step for all of them
+    instead of one per module in the next forwards."""
     by_device: dict = {}
     for magnitude, known in list(_zero_watch.items()):
         if not storage_holds(magnitude):
             # FSDP's gathered parameter between its layer's passes: the storage is freed (resized to nothing) and
             # reading it is an illegal memory access; the next gather writes new values anyway (a new version)
             del _zero_watch[magnitude]
-        elif magnitude.is_cuda:
+        elif magnitude.device.type in _PREFETCHED:
             by_device.setdefault(magnitude.device, []).append((magnitude, known))
     for device, watched in by_device.items():
-        with torch.cuda.device(device):
-            if torch.cuda.is_current_stream_capturing():
-                continue
-            started = _start(_has_zero(*(m for m, _ in watched)))
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                if torch.cuda.is_current_stream_capturing():
+                    continue
+                started = _start(_has_zero(*(m for m, _ in watched)))
+        else:
+            started = _start(_has_zero(*(m for m, _ in watched)))  # the answer itself
         for magnitude, known in watched:
             known.put((magnitude,), started)
 

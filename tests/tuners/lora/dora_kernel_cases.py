@@ -322,6 +322,65 @@ def test_layer_asks_for_zeros_in_m_once_per_value():
     assert_close(fused_grad, layer.weight.grad, dtype=torch.float32)
 
 
+def test_cpu_zero_test_once_per_step_in_the_step_hook():
+    """On a CPU the optimizer-step hook tests the magnitudes too (on a GPU it starts that test ahead of the forwards):
+    after the first step no training node tests its own magnitude, the hook's one test of all of them per step is
+    all. A zero that a step writes (through ``.data``, as optimizers write) is seen by the next forward's nodes, which
+    then keep inner, with the eager tier's d_m."""
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import dora_cache, dora_settings
+
+    torch.manual_seed(0)
+    config = LoraConfig(target_modules=["0", "1"], use_dora=True, init_lora_weights=False, r=4)
+    model = get_peft_model(nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 16)), config)
+    layers = [model.base_model.model[i].lora_magnitude_vector["default"] for i in (0, 1)]
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    x = torch.randn(5, 24)
+    calls, has_zero = [0], dora_cache._has_zero
+
+    def counted(*magnitudes):
+        calls[0] += 1
+        return has_zero(*magnitudes)
+
+    class Zeroing(torch.optim.Optimizer):  # a step that writes an exact zero into the first magnitude
+        @torch.no_grad()
+        def step(self, closure=None):
+            self.param_groups[0]["params"][0].data[3] = 0.0
+
+    def step(optimizer) -> int:
+        calls[0] = 0
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return calls[0]
+
+    dora_cache._has_zero = counted
+    try:
+        assert [step(opt) for _ in range(4)] == [2 + 1, 1, 1, 1]  # step 1: each node asks, then the hook tests
+        assert all(layer._reuse.zero_free.value is True for layer in layers)
+        calls[0] = 0
+        Zeroing([layers[0].weight], {}).step()
+        assert calls[0] == 1  # the hook, after every optimizer's step
+        assert all(layer._reuse.zero_free.value is False for layer in layers)  # a zero anywhere: every node keeps inner
+        model.zero_grad()
+        assert step(opt) == 1  # the nodes found the hook's answer; the hook tested again after this step
+        layers[0].weight.grad = None
+        with torch.no_grad():
+            layers[0].weight[3] = 0.0  # in place (a new version): the node tests once more and keeps inner
+        calls[0] = 0
+        model(x).square().mean().backward()
+        assert calls[0] == 1 and layers[0]._reuse.zero_free.value is False
+        fused_grad = layers[0].weight.grad.clone()
+        with dora_settings.override(fused=False):  # the eager tier's d_m for the same m
+            model.zero_grad()
+            model(x).square().mean().backward()
+        assert_close(fused_grad, layers[0].weight.grad, dtype=torch.float32)
+    finally:
+        dora_cache._has_zero = has_zero
+
+
 def test_output_with_a_zero_magnitude_keeps_inner():
     """m_j = 0 makes y_j = bias_j, so inner cannot be read back: a separate buffer is saved and d_m_j is exact. The
     zero test reruns when m changes (its version counter), so zeroing m in place switches the path."""
