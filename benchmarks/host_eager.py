@@ -139,14 +139,36 @@ def _bare_step_fn(args, model):
 
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+    dora = any(hasattr(m, "lora_magnitude_vector") and len(m.lora_magnitude_vector) for m in model.modules())
+    optimizer_step = opt.step if dora else _without_dora_step_hook(opt.step)
 
     def step(x):
         y = checkpoint(model, x, use_reentrant=False) if args.checkpointing else model(x)
         # a squared loss: its gradient is a contiguous tensor, as a next layer's matmul hands back (sum()'s is a
         # broadcast one, which sends DoRA's fused backward to its eager fallback)
         y.float().square().mean().backward()
-        opt.step()
+        optimizer_step()
         opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _without_dora_step_hook(optimizer_step):
+    """The LoRA model's optimizer step without DoRA's global optimizer-step hook (``dora_cache._after_optimizer_step``):
+    in this one process it would test the DoRA model's magnitudes after LoRA's step too, work a LoRA-only process
+    does not have, which made LoRA's count the larger and DoRA's extra the smaller."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks as hooks
+
+    from peft.tuners.lora import dora_cache
+
+    def step():
+        ours = {k: h for k, h in hooks.items() if h is dora_cache._after_optimizer_step}
+        for k in ours:
+            del hooks[k]
+        try:
+            optimizer_step()
+        finally:
+            hooks.update(ours)
 
     return step
 
