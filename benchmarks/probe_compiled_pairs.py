@@ -39,8 +39,8 @@ from timing import python_hotspots  # noqa: E402
 
 
 def make_side(cfg: dict, point: dict, dora: bool, device, compile_mode: str, measure: str):
-    """One side: its own base (seeded as the benchmark's), the adapter, the compiled call and one step function
-    (``step(record)`` appends (wall ms, host ms) to ``record`` where given)."""
+    """One side's step function: its own base (seeded as the benchmark's), the adapter and the compiled call, which
+    the function keeps alive; ``step(record)`` appends (wall ms, host ms) to ``record`` where given."""
     base = mw.build_base(cfg, device, torch.bfloat16)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     impl = {"name": "dora" if dora else "lora", "dora": dora}
@@ -76,7 +76,7 @@ def make_side(cfg: dict, point: dict, dora: bool, device, compile_mode: str, mea
         if record is not None:
             record.append((wall[0], host))
 
-    return model, step
+    return step
 
 
 def stats(record: list) -> dict:
@@ -116,9 +116,9 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     cfg, point = point_spec(args.point)
     cfg["config_kwargs"]["num_hidden_layers"] = args.layers
-    sides = {}
-    for name in ("dora", "lora"):
-        sides[name] = make_side(cfg, point, name == "dora", device, args.compile, args.measure)[1]
+    sides = {
+        name: make_side(cfg, point, name == "dora", device, args.compile, args.measure) for name in ("dora", "lora")
+    }
     for _ in range(3):  # compile, capture, warm up: in the benchmark's order
         for name in ("dora", "lora"):
             sides[name]()

@@ -19,6 +19,7 @@ keeps, and which of it wins, is :class:`LayerReuse`; when reuse is allowed at al
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
 from functools import wraps
 from typing import Optional
@@ -528,13 +529,11 @@ def prefetch_zero_tests() -> None:
         elif magnitude.device.type in _PREFETCHED:
             by_device.setdefault(magnitude.device, []).append((magnitude, known))
     for device, watched in by_device.items():
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                if torch.cuda.is_current_stream_capturing():
-                    continue
-                started = _start(_has_zero(*(m for m, _ in watched)))
-        else:
-            started = _start(_has_zero(*(m for m, _ in watched)))  # the answer itself
+        cuda = device.type == "cuda"
+        with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+            if cuda and torch.cuda.is_current_stream_capturing():
+                continue
+            started = _start(_has_zero(*(m for m, _ in watched)))  # on a CPU, the answer itself
         for magnitude, known in watched:
             known.put((magnitude,), started)
 
