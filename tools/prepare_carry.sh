@@ -17,6 +17,23 @@ DS_BUILD_OPS=0 python -m pip wheel -q --no-deps -w "$CB" deepspeed==0.19.8 hjson
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$CB" \
     --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 msgpack "pydantic_core==$(
     python -c 'import pydantic_core; print(pydantic_core.__version__)' 2>/dev/null || echo 2.50.5)" bitsandbytes==0.50.2
+# bitsandbytes' wheel holds a native library per CUDA and ROCm version (~43 MB): keep the CUDA 13 ones the GPU
+# machine's torch (cu130) loads, or the wheels and the tree pass the device tool's 64 MiB carry limit
+python - "$CB"/bitsandbytes-*.whl <<'SLIM'
+import re, sys, zipfile
+from pathlib import Path
+path = Path(sys.argv[1])
+drop = re.compile(r"bitsandbytes/libbitsandbytes_(cuda(?!13)\d+|rocm\d+)\.so$")
+with zipfile.ZipFile(path) as z:
+    items = [(i, z.read(i)) for i in z.infolist() if not drop.search(i.filename)]
+slim = path.with_suffix(".slim")
+with zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED) as out:
+    for info, data in items:
+        if info.filename.endswith(".dist-info/RECORD"):  # the dropped files' lines go too
+            data = "".join(l for l in data.decode().splitlines(True) if not drop.search(l.split(",")[0])).encode()
+        out.writestr(info, data)
+slim.replace(path)
+SLIM
 cat > "$CB/setup.sh" <<'SETUP'
 # source me on the GPU machine, in the repository root: ours into /tmp/ours (first on PYTHONPATH), upstream into
 # /tmp/upstream, DeepSpeed and bitsandbytes into python3's site-packages; NVLink multicast stays off.
