@@ -467,6 +467,100 @@ def test_norm_op_record_answers_only_what_the_memos_would():
     assert_close(norm, exact())
 
 
+def test_norms_op_keeps_a_reusable_batch_under_the_records_rules(monkeypatch):
+    """``peft::dora_weight_norms`` where every triple may be reused across forwards (eval): the next call with the
+    very same objects is answered from the batch it kept (``_KeptBatch``), without a per-triple record's answer.
+    It answers only what the triples would: each change below (an in-place edit, an optimizer step, a ``.data``
+    write announced by ``invalidate_norm_caches``, a new tensor or another storage at the same address behind the
+    same parameter object, a transposed view at the same address, another object, scaling or ``frozen`` flag, a
+    value kept in inference mode asked for outside it) computes through the triples, equal to the exact norms, and
+    is kept again for the call after."""
+    from peft.tuners.lora import dora_norm
+
+    gen = torch.Generator().manual_seed(3)
+    weights = [nn.Parameter(torch.randn(d, 24, generator=gen), requires_grad=False) for d in (24, 16, 8)]
+    lora_As = [nn.Parameter(torch.randn(4, 24, generator=gen)) for _ in weights]
+    lora_Bs = [nn.Parameter(torch.randn(w.shape[0], 4, generator=gen)) for w in weights]
+    scales, frozen = [0.7, 1.0, 0.25], [True, True, True]
+    answers = []  # per-triple record answers (the path the kept batch skips)
+    real_answer = dora_norm._OpRecord.answer
+
+    def counting_answer(self, *args, **kwargs):
+        answers.append(1)
+        return real_answer(self, *args, **kwargs)
+
+    monkeypatch.setattr(dora_norm._OpRecord, "answer", counting_answer)
+
+    def exact():
+        return torch.cat(
+            [torch.linalg.vector_norm(w.detach() + s * b.detach() @ a.detach(), dim=1)
+             for w, a, b, s in zip(weights, lora_As, lora_Bs, scales)]
+        )  # fmt: skip
+
+    def call(scales_now=None, frozen_now=None):
+        """Whether the kept batch answered (no triple's record was asked, every norm counted as reused)."""
+        answers.clear()
+        dora.norm_counts.clear()
+        now = scales if scales_now is None else scales_now
+        with torch.no_grad():
+            out = torch.ops.peft.dora_weight_norms.default(
+                weights, lora_As, lora_Bs, now, [2, 2, 2], frozen if frozen_now is None else frozen_now
+            )
+        expected = torch.cat(
+            [torch.linalg.vector_norm(w.detach() + s * b.detach() @ a.detach(), dim=1)
+             for w, a, b, s in zip(weights, lora_As, lora_Bs, now)]
+        )  # fmt: skip
+        assert_close(out, expected)
+        kept = not answers and dora.norm_counts["norm_reused"] == 3 and not dora.norm_counts["norm_computed"]
+        return out, kept
+
+    def changed_then_kept():
+        return not call()[1] and call()[1]
+
+    assert not call()[1]
+    first, kept = call()
+    assert kept
+    first.mul_(0)  # callers get copies: scribbling on one leaves the kept batch alone
+    assert call()[1]
+    with torch.no_grad():
+        lora_Bs[1].add_(0.5)
+    assert changed_then_kept()
+    optimizer = torch.optim.SGD(lora_As + lora_Bs, lr=0.1)
+    sum(t.sum() for t in lora_As + lora_Bs).backward()
+    optimizer.step()
+    assert changed_then_kept()
+    lora_As[2].data.mul_(2)
+    dora.invalidate_norm_caches()
+    assert changed_then_kept()
+    lora_Bs[0].data = torch.randn(24, 4, generator=gen)
+    assert changed_then_kept()
+    memory = lora_Bs[2].detach().numpy()
+    lora_Bs[2].data = torch.from_numpy(memory)  # another storage at the same address, the version counter unchanged
+    memory *= 0.5
+    assert changed_then_kept()
+    weights[0].data = weights[0].data.t()  # square: the same storage, address, shape and version, other strides
+    assert changed_then_kept()
+    lora_As[1] = nn.Parameter(lora_As[1].detach().clone())  # another object, equal values
+    assert changed_then_kept()
+    assert not call(scales_now=[0.7, 1.0, 0.5])[1] and call(scales_now=[0.7, 1.0, 0.5])[1]
+    assert not call(frozen_now=[True, False, True])[1]
+    assert not call()[1] and call()[1]
+    with torch.inference_mode():
+        assert call()[1]  # kept outside inference mode: handed out inside it too
+    with torch.no_grad():
+        lora_Bs[0].mul_(0.5)
+    with torch.inference_mode():
+        assert not call()[1] and call()[1]
+    assert not call()[1]  # kept in inference mode: not handed out outside it
+    assert call()[1]
+    assert_close(call()[0], exact())
+    key = (id(weights[0]), id(lora_Bs[-1]), 3)
+    assert key in dora_norm._kept_batches
+    del lora_As[0], optimizer  # the optimizer holds A too
+    gc.collect()
+    assert key not in dora_norm._kept_batches  # dropped with one of its objects
+
+
 def test_norm_op_record_goes_with_its_objects():
     """A record is dropped when one of the objects it was made for dies (its id may be taken by a new object)."""
     from peft.tuners.lora import dora_norm
