@@ -699,14 +699,16 @@ def _weight_norms_op(weights, lora_As, lora_Bs, scales, reuse, frozen) -> torch.
     (``batch_norm_ops`` groups by it): its stream and capture state are asked once (per triple where a direct call
     mixes devices)."""
     _check_batch(weights)
-    one_device = all(w.device == weights[0].device for w in weights)
-    streams = (_on_default_stream(weights[0]), capturing(weights)) if one_device else None
-    kept = streams == (True, False) and reuse.count(_REUSE_CODES["any"]) == len(reuse)
-    if kept:
+    reusable = reuse.count(_REUSE_CODES["any"]) == len(reuse)
+    # a kept batch first: its checks imply one device (storages and data pointers as kept, on one device)
+    if reusable and _on_default_stream(weights[0]) and not capturing(weights):
         out = _KeptBatch.answer_for(weights, lora_As, lora_Bs, scales, frozen)
         if out is not None:
             return out
-    elif streams == (True, False) and weights[0].is_cuda:
+    one_device = all(w.device == weights[0].device for w in weights)
+    streams = (_on_default_stream(weights[0]), capturing(weights)) if one_device else None
+    kept = reusable and streams == (True, False)
+    if not kept and streams == (True, False) and weights[0].is_cuda:
         out = _BatchGraph.replay_for(weights, lora_As, lora_Bs, scales, reuse, frozen)
         if out is not None:
             return out
@@ -749,6 +751,7 @@ class _KeptBatch:
 
     @staticmethod
     def answer_for(weights, lora_As, lora_Bs, scales, frozen) -> Optional[torch.Tensor]:
+        """The kept norms of exactly these triples, as a new tensor, or None (the caller's triples answer)."""
         batch = _kept_batches.get((id(weights[0]), id(lora_Bs[-1]), len(weights)))
         if batch is None:
             return None
