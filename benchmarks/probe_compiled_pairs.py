@@ -124,11 +124,11 @@ def main(argv=None) -> int:
             sides[name]()
     out = {
         "env": {
-            "peft": str(Path(peft.__file__).parent),
+            "peft": Path(peft.__file__).parent.parent.name,  # the install's folder (ours: PEFT_OURS), no machine path
             "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
         },
-        "config": vars(args),
+        "config": dict(vars(args), out=Path(args.out).name),
     }
     runs = {"dora": [], "lora": [], "dora_again": []}
     for name in runs:
