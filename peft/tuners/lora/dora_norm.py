@@ -700,13 +700,13 @@ def _weight_norms_op(weights, lora_As, lora_Bs, scales, reuse, frozen) -> torch.
     mixes devices)."""
     _check_batch(weights)
     reusable = reuse.count(_REUSE_CODES["any"]) == len(reuse)
+    first = (_on_default_stream(weights[0]), capturing(weights))
     # a kept batch first: its checks imply one device (storages and data pointers as kept, on one device)
-    if reusable and _on_default_stream(weights[0]) and not capturing(weights):
+    if reusable and first == (True, False):
         out = _KeptBatch.answer_for(weights, lora_As, lora_Bs, scales, frozen)
         if out is not None:
             return out
-    one_device = all(w.device == weights[0].device for w in weights)
-    streams = (_on_default_stream(weights[0]), capturing(weights)) if one_device else None
+    streams = first if all(w.device == weights[0].device for w in weights) else None
     kept = reusable and streams == (True, False)
     if not kept and streams == (True, False) and weights[0].is_cuda:
         out = _BatchGraph.replay_for(weights, lora_As, lora_Bs, scales, reuse, frozen)
@@ -747,12 +747,16 @@ class _KeptBatch:
 
     @staticmethod
     def _state(flat: list) -> tuple:
-        return [t._version for t in flat], _epoch[0]
+        return versions(flat), _epoch[0]
+
+    @staticmethod
+    def _key(weights, lora_Bs) -> tuple:
+        return id(weights[0]), id(lora_Bs[-1]), len(weights)
 
     @staticmethod
     def answer_for(weights, lora_As, lora_Bs, scales, frozen) -> Optional[torch.Tensor]:
         """The kept norms of exactly these triples, as a new tensor, or None (the caller's triples answer)."""
-        batch = _kept_batches.get((id(weights[0]), id(lora_Bs[-1]), len(weights)))
+        batch = _kept_batches.get(_KeptBatch._key(weights, lora_Bs))
         if batch is None:
             return None
         flat = [*weights, *lora_As, *lora_Bs]
@@ -772,7 +776,7 @@ class _KeptBatch:
         flat = [*weights, *lora_As, *lora_Bs]
         if not all(type(t) in (torch.Tensor, nn.Parameter) and not t.is_inference() for t in flat):
             return
-        key = (id(weights[0]), id(lora_Bs[-1]), len(weights))
+        key = _KeptBatch._key(weights, lora_Bs)
         drop, bind = _entry_dropper(_kept_batches, key)
         batch = _KeptBatch()
         batch.refs = tuple(weakref.ref(t, drop) for t in flat)
