@@ -564,8 +564,9 @@ class DoraLinearLayer(nn.Module):
 
         def compute() -> torch.Tensor:
             if shards.group is None:  # the whole norm, ``‖W‖²`` kept on the shard as for the rows
-                w_sq = self._shard_w_sq(weight, weight, lora_A, lora_B, shards)
-                return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
+                with dora_norm.eager_norms():
+                    w_sq = self._shard_w_sq(weight, weight, lora_A, lora_B, shards)
+                    return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
             waiting = reuse.batched.get(shards.keys, extra)
             reuse.batched.clear()
             if waiting is not None:
@@ -608,8 +609,9 @@ class DoraLinearLayer(nn.Module):
         if shards.stop == shards.start:
             return torch.empty(0, device=weight.device, dtype=torch.promote_types(weight.dtype, torch.float32))
         w_rows, b_rows = weight[shards.start : shards.stop], lora_B[shards.start : shards.stop]
-        w_sq = self._shard_w_sq(weight, w_rows, lora_A, b_rows, shards)
-        return factored_row_norm(w_rows, lora_A, b_rows, scaling, w_sq=w_sq)
+        with dora_norm.eager_norms():  # launched every step (the gathered W and A move): fewer launches first
+            w_sq = self._shard_w_sq(weight, w_rows, lora_A, b_rows, shards)
+            return factored_row_norm(w_rows, lora_A, b_rows, scaling, w_sq=w_sq)
 
     def _shard_w_sq(self, weight, w_rows, lora_A, b_rows, shards) -> Optional[torch.Tensor]:
         """``‖W‖²`` of ``w_rows`` (this rank's rows of the gathered ``weight``, or all of them) kept on the rank's shard

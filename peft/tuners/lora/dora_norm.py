@@ -210,17 +210,39 @@ def hi_lo(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
 # 548/297/495 (128).
 _KERNEL_MAX_RANK = 64
 _KERNEL_MAX_RANK_MIXED = 32
+# Inside ``eager_norms()``: norms computed as launches every time, never captured into a CUDA graph (FSDP2's sharded
+# rows, whose gathered W and A move every step). There a launch's host time is paid on every forward, and on the
+# H200 machines' hosts the split path's seven launches took ~0.45 ms per norm against ~0.11 ms for the one-pass
+# kernel (2× H200, FSDP2, 4 Llama-8B layers, r = 128 / 16, ``benchmarks/results/profile/fsdp2_host_timers/``),
+# while the kernel's extra GPU time at r = 128 is ~36 µs per module of full rows (above), 1/N of it on N ranks' rows.
+_KERNEL_MAX_RANK_EAGER = 128
+_eager = [0]  # depth of ``eager_norms()``
+
+
+class eager_norms:
+    """``with eager_norms():`` the norms computed inside are launched as they are, every time (not captured into a
+    CUDA graph): the one-pass kernel takes them up to rank ``_KERNEL_MAX_RANK_EAGER`` (half adapters of W's dtype).
+    Callers that keep a ``||W||²`` for the norm ask ``w_sq_reusable`` inside it too, so both see the same path."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _eager[0] += 1
+
+    def __exit__(self, *_exc) -> None:
+        _eager[0] -= 1
 
 
 def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
     """Whether the one-pass Triton norm (``dora_norm_triton``) computes this norm instead of the forms below.
 
     Auto (PEFT_DORA_NORM_KERNEL unset): a half weight with adapters of the same half dtype at rank ≤
-    ``_KERNEL_MAX_RANK``, or fp32 adapters (either or both, the other of W's dtype) at rank ≤
-    ``_KERNEL_MAX_RANK_MIXED``, where it is faster than the split path's cuBLAS GEMMs even with a kept ``||W||²`` and
-    at least as precise (~1e-7 relative); larger ranks take ``_split_norm_applies``'s GEMMs (the kernel's products
-    took ~4x their time at r = 384). PEFT_DORA_NORM_KERNEL=1 takes the kernel wherever it runs, 0 never (the PyTorch
-    form), and PEFT_DORA_FUSED=0 turns it off with the other kernels.
+    ``_KERNEL_MAX_RANK`` (``_KERNEL_MAX_RANK_EAGER`` inside :class:`eager_norms`), or fp32 adapters (either or both,
+    the other of W's dtype) at rank ≤ ``_KERNEL_MAX_RANK_MIXED``, where it is faster than the split path's cuBLAS
+    GEMMs even with a kept ``||W||²`` and at least as precise (~1e-7 relative); larger ranks take
+    ``_split_norm_applies``'s GEMMs (the kernel's products took ~4x their time at r = 384). PEFT_DORA_NORM_KERNEL=1
+    takes the kernel wherever it runs, 0 never (the PyTorch form), and PEFT_DORA_FUSED=0 turns it off with the other
+    kernels.
     """
     env = settings()
     if env.fused is False or env.norm_kernel is False:
@@ -229,7 +251,7 @@ def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: tor
         if weight.dtype not in (torch.bfloat16, torch.float16):
             return False
         if lora_A.dtype == lora_B.dtype == weight.dtype:
-            if lora_A.shape[0] > _KERNEL_MAX_RANK:
+            if lora_A.shape[0] > (_KERNEL_MAX_RANK_EAGER if _eager[0] else _KERNEL_MAX_RANK):
                 return False
         elif lora_A.shape[0] > _KERNEL_MAX_RANK_MIXED or any(
             t.dtype not in (torch.float32, weight.dtype) for t in (lora_A, lora_B)

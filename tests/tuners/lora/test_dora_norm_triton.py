@@ -127,9 +127,10 @@ def test_launch_policy(d_out, d_in, r):
 
 
 def test_norm_kernel_dispatch_follows_dtypes_and_switch(dora_env, monkeypatch):
-    """Auto: the kernel for a half weight with same-dtype half adapters up to rank ``_KERNEL_MAX_RANK`` and with fp32
-    adapters (autocast) up to ``_KERNEL_MAX_RANK_MIXED`` (above them the cuBLAS split norm; an fp32 weight the PyTorch
-    form) unless PEFT_DORA_NORM_KERNEL=1; 0 or PEFT_DORA_FUSED=0 turn it off."""
+    """Auto: the kernel for a half weight with same-dtype half adapters up to rank ``_KERNEL_MAX_RANK``
+    (``_KERNEL_MAX_RANK_EAGER`` inside ``eager_norms``) and with fp32 adapters (autocast) up to
+    ``_KERNEL_MAX_RANK_MIXED`` (above them the cuBLAS split norm; an fp32 weight the PyTorch form) unless
+    PEFT_DORA_NORM_KERNEL=1; 0 or PEFT_DORA_FUSED=0 turn it off."""
     from peft.tuners.lora import dora, dora_norm_triton
 
     monkeypatch.setattr(dora_norm_triton, "row_norm_supported", lambda *t: True)
@@ -149,6 +150,16 @@ def test_norm_kernel_dispatch_follows_dtypes_and_switch(dora_env, monkeypatch):
     assert applies(bf16, a_big[:-1], b_big[:, :-1]) and not applies(bf16, a_big, b_big)
     mixed = dora.dora_norm._KERNEL_MAX_RANK_MIXED
     assert applies(bf16, *adapters(mixed, torch.float32)) and not applies(bf16, *adapters(mixed + 1, torch.float32))
+    # norms launched every time (FSDP2's sharded rows): the kernel up to _KERNEL_MAX_RANK_EAGER for half adapters,
+    # where its fewer launches save more host time than its products cost; fp32 adapters as before
+    eager = dora.dora_norm._KERNEL_MAX_RANK_EAGER
+    assert eager > big
+    with dora.dora_norm.eager_norms():
+        assert applies(bf16, a_big, b_big) and applies(bf16, *adapters(eager, torch.bfloat16))
+        assert not applies(bf16, *adapters(eager + 1, torch.bfloat16))
+        assert not applies(bf16, *adapters(mixed + 1, torch.float32))
+        assert not dora.dora_norm.w_sq_reusable(bf16, a_big, b_big)  # the kernel reads W for ||W||² in its pass
+    assert not applies(bf16, a_big, b_big) and dora.dora_norm._eager == [0]
     dora_env("PEFT_DORA_NORM_KERNEL", "1")
     applies = dora.dora_norm._norm_kernel_applies
     assert applies(bf16, a_f32, b_f32) and applies(f32, a_f32, b_f32) and applies(bf16, a_big, b_big)

@@ -266,6 +266,13 @@ def test_split_takes_half_adapters_above_the_kernel_rank(d_out, d_in, r, w_dtype
     err, err_kernel = _max_rel(got, want), _max_rel(kernel, want)
     print(f"half adapters {w_dtype} {d_out}x{d_in} r={r}: split {err:.3e}, one-pass kernel {err_kernel:.3e}")
     assert err <= 1e-5 and _max_rel(got, kernel.double()) <= 1e-5
+    dora_env("PEFT_DORA_NORM_KERNEL", None)
+    with dora.dora_norm.eager_norms():  # norms launched every time (FSDP2's rows): the kernel up to the eager rank
+        eager = dora.factored_row_norm(weight, lora_A, lora_B, SCALE)
+        kernel_rank = r <= dora.dora_norm._KERNEL_MAX_RANK_EAGER
+        assert dora.dora_norm._norm_kernel_applies(weight, lora_A, lora_B) == kernel_rank
+    assert _max_rel(eager, want) <= 1e-5
+    assert torch.equal(eager, kernel if kernel_rank else got)
 
 
 def test_split_is_the_default_for_fp32_adapters_and_matches_the_torch_form(dora_env):
