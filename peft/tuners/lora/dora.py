@@ -629,7 +629,21 @@ class DoraLinearLayer(nn.Module):
         return _oriented(weight, self.fan_in_fan_out), lora_A, lora_B
 
     def _fresh_norm(self, weight, lora_A, lora_B, scaling, adapter_name, batched: bool = False) -> torch.Tensor:
-        """The norm computed now (``batched``: by the device's batch where ``dora_batch.applies``)."""
+        """The norm computed now (``batched``: by the device's batch where ``dora_batch.applies``). One that is
+        neither a training norm's CUDA graph nor the batch's is launched as it is each time it is computed (ZeRO-3's
+        and FSDP1's gathered weights in every forward, PEFT_DORA_NORM_GRAPH=0, an eval forward's first): inside
+        ``dora_norm.eager_norms()``, where the one-pass kernel's fewer launches take larger ranks."""
+        graph_weight = weight.param if isinstance(weight, dora_quant.QuantizedWeight) else weight
+        if self.training and (
+            dora_norm.norm_graph_applies(graph_weight, lora_A, lora_B)
+            or (batched and type(self) is DoraLinearLayer and dora_batch.applies(weight, lora_A, lora_B))
+        ):
+            return self._norm_now(weight, lora_A, lora_B, scaling, adapter_name, batched)
+        with dora_norm.eager_norms():
+            return self._norm_now(weight, lora_A, lora_B, scaling, adapter_name, batched)
+
+    def _norm_now(self, weight, lora_A, lora_B, scaling, adapter_name, batched: bool) -> torch.Tensor:
+        """:meth:`_fresh_norm`'s computation: ``||W||²`` kept where it may be, then a graph, the batch or launches."""
         reuse = self._reuse
         w_sq = None
         if isinstance(weight, dora_quant.QuantizedWeight):

@@ -243,3 +243,45 @@ def test_auto_takes_the_kernel_up_to_its_ranks_and_the_split_norm_above(adapters
     assert dora_norm.w_sq_reusable(weight, lora_A, lora_B) == (r > limit)  # no ||W||² kept where the kernel runs
     _check(unkept, weight, lora_A, lora_B)
     _check(kept, weight, lora_A, lora_B)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_layer_norm_launched_as_it_is_takes_the_kernel_to_the_eager_rank(training, monkeypatch):
+    """A DoRA Linear's norm that is not a CUDA graph (here: CPU tensors; on GPUs ZeRO-3's and FSDP1's gathered weights,
+    eval forwards, PEFT_DORA_NORM_GRAPH=0) is computed inside ``eager_norms``: half adapters of W's dtype above
+    ``_KERNEL_MAX_RANK`` take the one-pass kernel up to ``_KERNEL_MAX_RANK_EAGER``, with no ``||W||²`` kept for it,
+    and the norm is the fp64 reference's; outside (``factored_row_norm`` called directly) the split norm still runs."""
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import dora, dora_norm
+
+    r = 70
+    assert dora_norm._KERNEL_MAX_RANK < r <= dora_norm._KERNEL_MAX_RANK_EAGER
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(96, 48, bias=False)).to(torch.bfloat16)
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["0"], use_dora=True, init_lora_weights=False)
+    model = get_peft_model(base, config).to(torch.bfloat16)
+    model.train(training)
+    layer = model.base_model.model[0]
+    calls = []
+    for name in ("row_norm_checked", "split_row_norm"):
+        real = getattr(N, name)
+        monkeypatch.setattr(N, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    with torch.set_grad_enabled(training):
+        model(x)
+    assert calls == ["row_norm_checked"], calls
+    assert dora_norm._eager == [0]
+    weight, lora_A, lora_B = layer.weight, layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    scale = layer.scaling["default"]
+    with dora_norm.eager_norms():
+        assert not dora_norm.w_sq_reusable(weight, lora_A, lora_B)  # the kernel reads W for ||W||² in its pass
+    assert dora_norm.w_sq_reusable(weight, lora_A, lora_B)
+    with torch.no_grad():
+        got = layer.lora_magnitude_vector["default"].get_weight_norm(weight, lora_A, lora_B, scale)
+        with dora_norm.eager_norms():
+            eager = dora.factored_row_norm(weight, lora_A, lora_B, scale)
+    assert calls == ["row_norm_checked", "split_row_norm", "row_norm_checked"], calls
+    _check(eager, weight, lora_A, lora_B, scale)
+    _check(got, weight, lora_A, lora_B, scale)
