@@ -19,6 +19,7 @@ implementations runs (PyTorch, the one-pass and split Triton norms, a CUDA graph
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from typing import Optional
 
@@ -211,12 +212,19 @@ def hi_lo(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
 _KERNEL_MAX_RANK = 64
 _KERNEL_MAX_RANK_MIXED = 32
 # Inside ``eager_norms()``: norms computed as launches every time, never captured into a CUDA graph (FSDP2's sharded
-# rows, whose gathered W and A move every step). There a launch's host time is paid on every forward, and on the
-# H200 machines' hosts the split path's seven launches took ~0.45 ms per norm against ~0.11 ms for the one-pass
-# kernel (2× H200, FSDP2, 4 Llama-8B layers, r = 128 / 16, ``benchmarks/results/profile/fsdp2_host_timers/``),
-# while the kernel's extra GPU time at r = 128 is ~36 µs per module of full rows (above), 1/N of it on N ranks' rows.
+# rows, whose gathered W and A move every step; ZeRO-3's and FSDP1's gathered weights; eval forwards). There a
+# launch's host time is paid on every forward, and on the H200 machines' hosts the split path's seven launches took
+# ~0.45 ms per norm against ~0.11 ms for the one-pass kernel (2× H200, FSDP2, 4 Llama-8B layers, r = 128 / 16,
+# ``benchmarks/results/profile/fsdp2_host_timers/``), while the kernel's extra GPU time at r = 128 is ~36 µs per
+# module of full rows (above), 1/N of it on N ranks' rows.
 _KERNEL_MAX_RANK_EAGER = 128
-_eager = [0]  # depth of ``eager_norms()``
+
+
+class _EagerDepth(threading.local):
+    depth = 0  # of ``eager_norms()`` in this thread (DataParallel runs replicas in threads)
+
+
+_eager = _EagerDepth()
 
 
 class eager_norms:
@@ -227,10 +235,10 @@ class eager_norms:
     __slots__ = ()
 
     def __enter__(self) -> None:
-        _eager[0] += 1
+        _eager.depth += 1
 
     def __exit__(self, *_exc) -> None:
-        _eager[0] -= 1
+        _eager.depth -= 1
 
 
 def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
@@ -251,7 +259,7 @@ def _norm_kernel_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: tor
         if weight.dtype not in (torch.bfloat16, torch.float16):
             return False
         if lora_A.dtype == lora_B.dtype == weight.dtype:
-            if lora_A.shape[0] > (_KERNEL_MAX_RANK_EAGER if _eager[0] else _KERNEL_MAX_RANK):
+            if lora_A.shape[0] > (_KERNEL_MAX_RANK_EAGER if _eager.depth else _KERNEL_MAX_RANK):
                 return False
         elif lora_A.shape[0] > _KERNEL_MAX_RANK_MIXED or any(
             t.dtype not in (torch.float32, weight.dtype) for t in (lora_A, lora_B)

@@ -272,7 +272,7 @@ def test_layer_norm_launched_as_it_is_takes_the_kernel_to_the_eager_rank(trainin
     with torch.set_grad_enabled(training):
         model(x)
     assert calls == ["row_norm_checked"], calls
-    assert dora_norm._eager == [0]
+    assert dora_norm._eager.depth == 0
     weight, lora_A, lora_B = layer.weight, layer.lora_A["default"].weight, layer.lora_B["default"].weight
     scale = layer.scaling["default"]
     with dora_norm.eager_norms():

@@ -4,6 +4,7 @@ reference under the Triton interpreter (dora_norm_triton_cases.py, in a child pr
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -159,7 +160,13 @@ def test_norm_kernel_dispatch_follows_dtypes_and_switch(dora_env, monkeypatch):
         assert not applies(bf16, *adapters(eager + 1, torch.bfloat16))
         assert not applies(bf16, *adapters(mixed + 1, torch.float32))
         assert not dora.dora_norm.w_sq_reusable(bf16, a_big, b_big)  # the kernel reads W for ||W||² in its pass
-    assert not applies(bf16, a_big, b_big) and dora.dora_norm._eager == [0]
+    assert not applies(bf16, a_big, b_big) and dora.dora_norm._eager.depth == 0
+    seen = []
+    with dora.dora_norm.eager_norms():  # per thread: DataParallel's replicas run in threads of their own
+        other = threading.Thread(target=lambda: seen.append(applies(bf16, a_big, b_big)))
+        other.start()
+        other.join()
+    assert seen == [False]
     dora_env("PEFT_DORA_NORM_KERNEL", "1")
     applies = dora.dora_norm._norm_kernel_applies
     assert applies(bf16, a_f32, b_f32) and applies(f32, a_f32, b_f32) and applies(bf16, a_big, b_big)
