@@ -567,3 +567,34 @@ def test_gather_rows_assembles_each_norm_from_every_ranks_rows(monkeypatch):
     short = [rows_of(k, 2) for k in range(3)]  # rank 2's rows: 1, 0 and 1 of them, padded into the send buffer
     assert [p.numel() for p in short] == [1, 0, 1]
     assert all(torch.equal(n, m) for n, m in zip(dora_dist.gather_rows(short, shards), norms))
+
+
+def test_own_rows_are_computed_as_launched_norms(monkeypatch):
+    """A rank's own rows of the sharded norm are launched anew every step (FSDP2's gathered W and A move), so
+    ``_own_rows`` asks whether ``||W_p||²`` is kept and computes the rows inside ``dora_norm.eager_norms()``, where
+    the one-pass kernel takes half adapters up to ``_KERNEL_MAX_RANK_EAGER``: both see the same rule."""
+    from types import SimpleNamespace
+
+    from peft.tuners.lora import dora, dora_norm
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    depths = []
+    real_reusable, real_norm = dora_norm.w_sq_reusable, dora.factored_row_norm
+
+    def reusable(*args):
+        depths.append(("w_sq_reusable", dora_norm._eager.depth))
+        return real_reusable(*args)
+
+    def norm(*args, **kwargs):
+        depths.append(("factored_row_norm", dora_norm._eager.depth))
+        return real_norm(*args, **kwargs)
+
+    monkeypatch.setattr(dora_norm, "w_sq_reusable", reusable)
+    monkeypatch.setattr(dora, "factored_row_norm", norm)
+    torch.manual_seed(0)
+    weight, lora_A, lora_B = torch.randn(6, 5), torch.randn(3, 5), torch.randn(6, 3)
+    shards = SimpleNamespace(start=2, stop=5, keys=(weight, lora_A, lora_B), versions=lambda: (0, 0, 0))
+    rows = DoraLinearLayer(fan_in_fan_out=False)._own_rows(weight, lora_A, lora_B, 0.5, shards)
+    assert [d for _, d in depths] == [1, 1] and [n for n, _ in depths] == ["w_sq_reusable", "factored_row_norm"]
+    assert dora_norm._eager.depth == 0
+    torch.testing.assert_close(rows, (weight + 0.5 * lora_B @ lora_A)[2:5].norm(dim=1))
