@@ -634,16 +634,18 @@ class DoraLinearLayer(nn.Module):
         and FSDP1's gathered weights in every forward, PEFT_DORA_NORM_GRAPH=0, an eval forward's first): inside
         ``dora_norm.eager_norms()``, where the one-pass kernel's fewer launches take larger ranks."""
         graph_weight = weight.param if isinstance(weight, dora_quant.QuantizedWeight) else weight
-        if self.training and (
-            dora_norm.norm_graph_applies(graph_weight, lora_A, lora_B)
-            or (batched and type(self) is DoraLinearLayer and dora_batch.applies(weight, lora_A, lora_B))
-        ):
-            return self._norm_now(weight, lora_A, lora_B, scaling, adapter_name, batched)
+        graphed = self.training and dora_norm.norm_graph_applies(graph_weight, lora_A, lora_B)
+        in_batch = (
+            batched and self.training and type(self) is DoraLinearLayer and dora_batch.applies(weight, lora_A, lora_B)
+        )
+        if graphed or in_batch:
+            return self._norm_now(weight, lora_A, lora_B, scaling, adapter_name, graphed, in_batch)
         with dora_norm.eager_norms():
-            return self._norm_now(weight, lora_A, lora_B, scaling, adapter_name, batched)
+            return self._norm_now(weight, lora_A, lora_B, scaling, adapter_name, False, False)
 
-    def _norm_now(self, weight, lora_A, lora_B, scaling, adapter_name, batched: bool) -> torch.Tensor:
-        """:meth:`_fresh_norm`'s computation: ``||W||²`` kept where it may be, then a graph, the batch or launches."""
+    def _norm_now(self, weight, lora_A, lora_B, scaling, adapter_name, graphed: bool, in_batch: bool) -> torch.Tensor:
+        """:meth:`_fresh_norm`'s computation, with its decisions (``graphed``: a training norm's CUDA graph,
+        ``in_batch``: the device's batch): ``||W||²`` kept where it may be, then the batch, a graph or launches."""
         reuse = self._reuse
         w_sq = None
         if isinstance(weight, dora_quant.QuantizedWeight):
@@ -663,7 +665,7 @@ class DoraLinearLayer(nn.Module):
             return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
 
         def own() -> torch.Tensor:
-            if self.training and dora_norm.norm_graph_applies(graph_weight, lora_A, lora_B):
+            if graphed:
                 # training forwards recompute the norm of the same tensors, updated in place: one graph launch each (a
                 # quantized weight's chunked dequantization and GEMMs too: the graph reads its packed storage and
                 # scales)
@@ -674,7 +676,7 @@ class DoraLinearLayer(nn.Module):
                 return norm
             return compute()
 
-        if batched and self.training and type(self) is DoraLinearLayer and dora_batch.applies(weight, lora_A, lora_B):
+        if in_batch:
             # PEFT_DORA_NORM_BATCH=1: the norms of all of the device's members, once per forward pass (a plain weight:
             # the batch keys them as this layer's own graph would)
             tensors, extra = dora_norm.graph_key((weight, lora_A, lora_B), w_sq, scaling)
