@@ -306,8 +306,10 @@ class DoraLinearLayer(nn.Module):
         zero_free = self._reuse.zero_free
         if self.training and gates.fused:
             shard = dora_dist.magnitude_shard(magnitude)
-            if shard is not None:  # FSDP2: the answer is kept for the magnitude's shard, not its gathered copy
-                zero_free = KeyedMemo(zero_free, (shard.local,), shard.versions(), shard)
+            if shard is None:
+                shard = dora_dist.flat_magnitude(self, magnitude)
+            if shard is not None:  # FSDP2, FSDP1: the answer is kept for the magnitude's shard, not its gathered copy
+                zero_free = KeyedMemo(zero_free, shard.keys, shard.versions(), shard)
             elif hasattr(magnitude, "ds_id") and dora_dist.PartitionZeroTest.applies(magnitude):
                 zero_free = dora_dist.PartitionZeroTest()  # DeepSpeed ZeRO-3: one test of all partitions per step
             if not gates.grad and magnitude.requires_grad and magnitude.is_cuda:

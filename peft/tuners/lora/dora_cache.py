@@ -107,6 +107,14 @@ def identity_tracked(tensors, inference: bool = True) -> bool:
 _QUANTIZED_PARAMS = ("Params4bit", "Int8Params")  # bitsandbytes' (dora_quant.quantized_kind)
 
 
+def regathered(tensors) -> bool:
+    """Whether any of ``tensors`` is a view FSDP1 makes of its unsharded ``FlatParameter`` (an ``nn.Parameter`` so
+    marked): a new view in every forward, over storage gathered anew, so a norm graph keyed on it never replays: its
+    every forward would run the first-sight eager path under the graphed norms' kernel rule (on 2x H200 at r = 128,
+    the split path's seven launches, ~0.48 ms of host per norm) instead of the eager norms' one launch."""
+    return any(getattr(t._base, "_is_flat_param", False) for t in tensors)
+
+
 class Memo:
     """A value computed from some tensors, valid while the very same tensor objects keep their storage, version
     counter, layout and dtype, the extra key (e.g. the scaling) is unchanged, and no optimizer step or merge happened
@@ -423,8 +431,9 @@ class LayerReuse:
 # ---------------------------------------------------------------------------------------------------------------
 
 _zero_watch = WeakIdKeyDictionary()  # magnitude -> its layer's ``zero_free`` memo, for prefetch_zero_tests
-_shard_watch = WeakIdKeyDictionary()  # FSDP2 sharded magnitude -> (memo, local shard, weakref to the gathered copy,
-# shard group), for prefetch_shard_zero_tests
+# the parameter an optimizer steps (FSDP2's sharded magnitude; FSDP1's original or flat parameter) -> {slot: (memo,
+# memo keys, (tested, versions, group))} (``dora_dist.MagnitudeShard.watch``), for prefetch_shard_zero_tests
+_shard_watch = WeakIdKeyDictionary()
 
 # Devices whose magnitudes the optimizer-step hook tests (prefetch_zero_tests): on CUDA ahead of the forwards that read
 # the answer; on a CPU, where nothing runs ahead, one test of all magnitudes per step instead of one per module and
@@ -466,9 +475,11 @@ def output_saves_itself(magnitude: torch.Tensor, known: Optional[Memo]) -> bool:
             if not hasattr(magnitude, "ds_id"):
                 _zero_watch[magnitude] = known
         elif isinstance(known, KeyedMemo) and known.shard is not None:
-            # weakly, like the key: the watch must not keep a deleted model's gathered magnitude alive
             shard = known.shard
-            _shard_watch[shard.param] = (known.memo, shard.local, weakref.ref(shard.gathered), shard.group)
+            slots = _shard_watch.get(shard.param)
+            if slots is None:
+                slots = _shard_watch[shard.param] = {}
+            slots[shard.slot] = (known.memo, shard.keys, shard.watch())
     return no_zero
 
 
@@ -539,25 +550,28 @@ def prefetch_zero_tests() -> None:
 
 
 def prefetch_shard_zero_tests(optimizer) -> None:
-    """Start the zero test of every FSDP2-sharded magnitude ``optimizer`` has just stepped, keyed as the next forward
-    asks (``KeyedMemo``: the local shard, the sharded parameter's new version, the gathered copy's version, which
-    FSDP2's next gather keeps). Each rank tests its own shards (one test per device and group) and one all-reduce
-    (max) gives every rank the answer for the whole magnitudes: FSDP2 steps a sharded optimizer on every rank of the
-    group, so each rank reaches this collective, in the same order. Magnitudes of other optimizers are left alone."""
+    """Start the zero test of every sharded magnitude ``optimizer`` has just stepped (FSDP2's, FSDP1's), keyed as the
+    next forward asks (``KeyedMemo``: FSDP2's local shard with the sharded parameter's new version and the gathered
+    copy's, which FSDP2's next gather keeps; FSDP1's local flat shard with the flat and original parameters'
+    versions). Each rank tests its own shards (one test per device and group) and one all-reduce (max) gives every
+    rank the answer for the whole magnitudes: the engine steps a sharded optimizer on every rank of the group, so
+    each rank reaches this collective, in the same order. A group of None (FSDP1's ``NO_SHARD``) holds the whole
+    magnitudes on every rank: no collective. Magnitudes of other optimizers are left alone."""
     import torch.distributed as dist
 
-    from .dora_dist import shard_versions
-
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    batches: dict = {}  # (device, group) -> (group, [(memo, local shard, versions)])
-    for param, (memo, local, gathered_ref, group) in list(_shard_watch.items()):
-        gathered = gathered_ref()
-        if id(param) in stepped and gathered is not None:
-            batch = batches.setdefault((local.device, id(group)), (group, []))
-            batch[1].append((memo, local, shard_versions(param, gathered)))
+    batches: dict = {}  # (device, group) -> (group, [(memo, keys, tested tensor, versions)])
+    for param, slots in list(_shard_watch.items()):
+        if id(param) not in stepped:
+            continue
+        for memo, keys, (tested, versions, group) in list(slots.values()):
+            local, extra = tested(), versions()
+            if local is not None and extra is not None:
+                batches.setdefault((local.device, id(group)), (group, []))[1].append((memo, keys, local, extra))
     for group, watched in batches.values():
-        has_zero = _has_zero(*(local for _, local, _ in watched)).to(torch.float32)
-        dist.all_reduce(has_zero, op=dist.ReduceOp.MAX, group=group)
+        has_zero = _has_zero(*(local for _, _, local, _ in watched)).to(torch.float32)
+        if group is not None:
+            dist.all_reduce(has_zero, op=dist.ReduceOp.MAX, group=group)
         started = _start(has_zero.bool())
-        for memo, local, versions in watched:
-            memo.put((local,), started, versions)
+        for memo, keys, _, extra in watched:
+            memo.put(keys, started, extra)

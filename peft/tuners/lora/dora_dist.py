@@ -222,9 +222,26 @@ class MagnitudeShard:
     param: torch.Tensor  # the sharded parameter (DTensor) the optimizer steps
     gathered: torch.Tensor  # the gathered copy a forward sees
     group: object
+    slot = 0  # one magnitude per stepped parameter
+
+    @property
+    def keys(self) -> tuple:
+        return (self.local,)
 
     def versions(self) -> tuple:
         return shard_versions(self.param, self.gathered)
+
+    def watch(self) -> tuple:
+        """``(tested, versions, group)`` for the optimizer-step hook (``dora_cache.prefetch_shard_zero_tests``): the
+        tensor to test and the memo's extra key after a step, each None once the gathered copy is gone (held weakly:
+        the watch must not keep a deleted model's gathered magnitude alive)."""
+        local, param, gathered = self.local, weakref.ref(self.param), weakref.ref(self.gathered)
+
+        def versions():
+            p, g = param(), gathered()
+            return None if p is None or g is None else shard_versions(p, g)
+
+        return (lambda: local), versions, self.group
 
 
 def magnitude_shard(magnitude: torch.Tensor) -> Optional[MagnitudeShard]:
@@ -235,6 +252,96 @@ def magnitude_shard(magnitude: torch.Tensor) -> Optional[MagnitudeShard]:
     local = None if fp is None else _local_shard(fp)
     group = None if local is None else getattr(getattr(fp, "mesh_info", None), "shard_process_group", None)
     return None if group is None else MagnitudeShard(local, fp.sharded_param, magnitude, group)
+
+
+@dataclass(frozen=True)
+class FlatMagnitude:
+    """An FSDP1-gathered magnitude: a view FSDP1 makes of its unit's unsharded ``FlatParameter`` in every forward
+    (and, without ``use_orig_params``, in every recompute), so a memo on the view misses every time and each training
+    node would read the GPU once per module and forward. Its zero test is kept instead on the flat parameter's local
+    shard (``_local_shard``: one object and storage for the run) with the flat parameter's and the original
+    parameter's versions (an in-place edit outside the optimizer moves one of them; an optimizer step ends the memo
+    through the epoch), and the optimizer-step hook tests every rank's slice of the new values ahead (the gathered
+    dtype: a value that parameter mixed precision flushes to zero counts), one all-reduce (max) over the world giving
+    every rank the answer for the whole magnitudes."""
+
+    flat: torch.Tensor  # the FlatParameter
+    index: int  # the magnitude's place among the flat parameter's originals
+    orig: Optional[torch.Tensor]  # with use_orig_params, the original parameter the optimizer steps; else None
+    group: Optional[object]  # the world, or None where every rank holds the whole magnitude (NO_SHARD)
+    dtype: torch.dtype  # the gathered dtype
+
+    @property
+    def keys(self) -> tuple:
+        return (self.flat._local_shard,)
+
+    @property
+    def param(self) -> torch.Tensor:
+        return self.flat if self.orig is None else self.orig
+
+    @property
+    def slot(self) -> int:
+        return self.index
+
+    def versions(self) -> tuple:
+        return (self.index, self.flat._version, None if self.orig is None else self.orig._version)
+
+    def watch(self) -> tuple:
+        """As :meth:`MagnitudeShard.watch`: the rank's slice of the magnitude in the local shard (empty where the
+        magnitude lies in other ranks' shards), in the gathered dtype."""
+        flat, orig, index, dtype = weakref.ref(self.flat), self.orig, self.index, self.dtype
+        orig = None if orig is None else weakref.ref(orig)
+
+        def tested():
+            f = flat()
+            if f is None:
+                return None
+            info = f._shard_param_infos[index]
+            local = f._local_shard
+            if not info.in_shard:
+                return local.new_empty(0, dtype=dtype)
+            return local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].to(dtype)
+
+        def versions():
+            f, o = flat(), None if orig is None else orig()
+            if f is None or (orig is not None and o is None):
+                return None
+            return (index, f._version, None if o is None else o._version)
+
+        return tested, versions, self.group
+
+
+_flat_slots: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FlatParameter -> {id(module): index of its "weight"}
+
+
+def flat_magnitude(module: torch.nn.Module, magnitude: torch.Tensor) -> Optional[FlatMagnitude]:
+    """The :class:`FlatMagnitude` of ``module``'s magnitude where FSDP1 gathered it (a view of a ``FlatParameter``),
+    or None: no FSDP1, a tied or offloaded magnitude, or a shard group that is not the world (``HYBRID_SHARD``, a
+    subgroup), whose training nodes then test the gathered view as without FSDP1."""
+    base = magnitude._base
+    if base is None or not getattr(base, "_is_flat_param", False):  # FlatParameter objects are nn.Parameters so marked
+        return None
+    slots = _flat_slots.get(base)
+    if slots is None:
+        infos = getattr(base, "_param_infos", ())
+        slots = _flat_slots[base] = {id(info.module): i for i, info in enumerate(infos) if info.param_name == "weight"}
+    index = slots.get(id(module))
+    if index is None or base._param_infos[index].module is not module:
+        return None
+    local, sharded = getattr(base, "_local_shard", None), getattr(base, "_sharded_size", None)
+    if local is None or sharded is None or local.device != magnitude.device or base._numels[index] != magnitude.numel():
+        return None
+    unsharded = getattr(base, "_padded_unsharded_size", sharded)
+    shards = unsharded.numel() // max(1, sharded.numel())
+    if shards == 1:
+        group = None
+    elif dist.is_initialized() and shards == dist.get_world_size():
+        group = dist.group.WORLD
+    else:
+        return None
+    params = getattr(base, "_params", None)
+    orig = None if params is None else params[index]
+    return FlatMagnitude(base, index, orig, group, magnitude.dtype)
 
 
 def norm_shards(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> Optional[NormShards]:

@@ -35,6 +35,7 @@ from .dora_cache import (
     identity_tracked,
     memoised,
     norm_counts,
+    regathered,
     storage_graph,
     storage_memo,
     storage_pins,
@@ -283,7 +284,8 @@ def _split_norm_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torc
 
 def norm_graph_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
     """Whether a training norm is replayed as a CUDA graph (``dora_graph``): CUDA tensors of one device whose
-    identity PyTorch tracks (not sharded, quantized or inference tensors), outside torch.compile's tracing (the
+    identity PyTorch tracks (not sharded, quantized or inference tensors, nor FSDP1's views of its gathered flat
+    parameters, new in every forward: ``dora_cache.regathered``), outside torch.compile's tracing (the
     compiled graph's norm op replays graphs when it runs) and outside a graph capture of the caller's own; off with
     PEFT_DORA_NORM_GRAPH=0 or PEFT_DORA_FUSED=0."""
     env = settings()
@@ -292,7 +294,7 @@ def norm_graph_applies(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch
     if lora_A.device != weight.device or lora_B.device != weight.device or torch.compiler.is_compiling():
         return False
     sources = (weight, lora_A, lora_B)
-    return identity_tracked(sources) and not capturing(sources)
+    return identity_tracked(sources) and not capturing(sources) and not regathered(sources)
 
 
 def graph_key(tensors: tuple, w_sq: Optional[torch.Tensor], scale) -> tuple[tuple, tuple]:

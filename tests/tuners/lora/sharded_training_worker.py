@@ -380,16 +380,16 @@ class _ZeroingSGD(torch.optim.SGD):
     @torch.no_grad()
     def step(self, closure=None):
         super().step(closure)
-        local = self.target._local_tensor
+        local = getattr(self.target, "_local_tensor", self.target)  # FSDP1: the original parameter's shard view
         if self.zero_now and self.rank == self.zero_rank and local.numel():
             local[0] = 0.0
 
 
 def zero_test_check(model, rank: int) -> dict:
-    """The magnitudes' zero test under FSDP2 (``dora_cache.prefetch_shard_zero_tests``), asked as the fused training
-    nodes ask it (their forwards are GPU-only): after each optimizer step the step hook tests every rank's shards and
-    all-reduces the answer, so no forward reads a magnitude on the host; a zero on one rank's shard reaches every
-    rank; an optimizer that does not hold the magnitudes starts nothing (no collective on one rank only)."""
+    """The magnitudes' zero test under FSDP2 and FSDP1 (``dora_cache.prefetch_shard_zero_tests``), asked as the fused
+    training nodes ask it (their forwards are GPU-only): after each optimizer step the step hook tests every rank's
+    shards and all-reduces the answer, so no forward reads a magnitude on the host; a zero on one rank's shard reaches
+    every rank; an optimizer that does not hold the magnitudes starts nothing (no collective on one rank only)."""
     from peft.tuners.lora import dora_cache, dora_dist
     from peft.tuners.lora.layer import Linear
 
@@ -400,21 +400,41 @@ def zero_test_check(model, rank: int) -> dict:
         reads[0] += 1
         return has_zero(*magnitudes)
 
+    def answer(dora_layer, magnitude) -> bool:
+        shard = dora_dist.magnitude_shard(magnitude) or dora_dist.flat_magnitude(dora_layer, magnitude)
+        known = dora_cache.KeyedMemo(dora_layer._reuse.zero_free, shard.keys, shard.versions(), shard)
+        dora_cache._has_zero = counted
+        try:
+            return dora_cache.output_saves_itself(magnitude, known)
+        finally:
+            dora_cache._has_zero = has_zero
+
+    linears = [m for m in model.modules() if isinstance(m, Linear) and "default" in m.lora_magnitude_vector]
+
     def ask() -> list:
-        """Every DoRA Linear's answer (True: no zero), with its layer gathered as in a forward."""
+        """Every DoRA Linear's answer (True: no zero), with its magnitude gathered as in a forward."""
         answers = []
+        if not hasattr(model, "unshard"):  # FSDP1: the view its forward hands the layer (a no-grad forward asks;
+            # not an eval one: train()/eval() forget every kept value)
+
+            def hook(module, args):
+                dora_layer = module.lora_magnitude_vector["default"]
+                answers.append(answer(dora_layer, dora_layer._parameters["weight"]))
+
+            hooks = [m.register_forward_pre_hook(hook) for m in linears]
+            try:
+                with torch.no_grad():
+                    model(input_ids=torch.zeros(1, SEQ, dtype=torch.long, device=next(model.parameters()).device))
+            finally:
+                for h in hooks:
+                    h.remove()
+            return answers
         for layer in model.base_model.model.model.layers:
             layer.unshard()
             for module in layer.modules():
-                if isinstance(module, Linear) and "default" in module.lora_magnitude_vector:
+                if module in linears:
                     dora_layer = module.lora_magnitude_vector["default"]
-                    shard = dora_dist.magnitude_shard(dora_layer.weight)
-                    known = dora_cache.KeyedMemo(dora_layer._reuse.zero_free, (shard.local,), shard.versions(), shard)
-                    dora_cache._has_zero = counted
-                    try:
-                        answers.append(dora_cache.output_saves_itself(dora_layer.weight, known))
-                    finally:
-                        dora_cache._has_zero = has_zero
+                    answers.append(answer(dora_layer, dora_layer.weight))
             layer.reshard()
         return answers
 
@@ -426,8 +446,12 @@ def zero_test_check(model, rank: int) -> dict:
 
     magnitudes = [p for n, p in model.named_parameters() if "lora_magnitude_vector" in n]
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = _ZeroingSGD(params, magnitudes[3], zero_rank=1, rank=rank)
-    out = {}
+    # FSDP1 flattens a layer's parameters in order and rank 1 holds the second half: layer 0's last magnitude
+    target = 3 if hasattr(model, "unshard") else 6
+    opt = _ZeroingSGD(params, magnitudes[target], zero_rank=1, rank=rank)
+    out = {"target": target, "target_on_zero_rank": bool(magnitudes[target].numel()) if rank == 1 else None}
+    dist.broadcast_object_list(box := [out["target_on_zero_rank"]], src=1)
+    out["target_on_zero_rank"] = box[0]
     out["first"] = (ask(), reads[0])  # nothing started yet: each answer read on the host
     reads[0] = 0
     step(opt)

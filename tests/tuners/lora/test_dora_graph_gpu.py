@@ -398,3 +398,16 @@ def test_graph_captured_under_inference_mode_then_trained(graph_env):
     for got, want in zip(with_graph, run(False)):
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+
+
+def test_fsdp1_views_take_no_graph():
+    """FSDP1's views of its gathered flat parameter (new in every forward) never key a norm graph: each forward would
+    take the graph's first-sight eager path under the graphed kernel rule (at r = 128 the split path's seven launches
+    instead of the eager norms' one-pass kernel). The same tensors as parameters do."""
+    from test_dora_norm_reuse import _flat_views
+
+    from peft.tuners.lora import dora_norm
+
+    views = _flat_views("cuda")
+    assert not dora_norm.norm_graph_applies(*views)
+    assert dora_norm.norm_graph_applies(*(torch.nn.Parameter(v.detach().clone()) for v in views))

@@ -625,3 +625,23 @@ def test_norm_graph_hands_out_its_buffer_and_copies_of_an_inference_one():
     storage = dora_graph.StorageNormGraph()
     storage.out = torch.randn(5)
     assert storage._handed_out((a, b)) is not storage.out
+
+
+def _flat_views(device="cpu"):
+    """W, A and B as FSDP1 hands them to a forward: views of one flat parameter (``_is_flat_param``, FSDP1's mark)."""
+    flat = nn.Parameter(torch.randn(8 * 6 + 2 * 6 + 8 * 2, device=device))
+    flat._is_flat_param = True
+    w, a, b = flat.split([48, 12, 16])
+    return w.view(8, 6), a.view(2, 6), b.view(8, 2)
+
+
+def test_fsdp1_views_count_as_regathered():
+    """``dora_cache.regathered``: FSDP1's views of its flat parameter (new every forward, over storage gathered anew)
+    are told from parameters and their own views, so no norm graph is keyed on them (``norm_graph_applies``)."""
+    from peft.tuners.lora import dora_cache
+
+    views = _flat_views()
+    assert all(v._base is not None for v in views) and dora_cache.regathered(views)
+    assert dora_cache.regathered((nn.Parameter(torch.ones(8, 6)), *views[1:]))
+    plain = (nn.Parameter(torch.ones(8, 6)), nn.Parameter(torch.ones(2, 6)))
+    assert not dora_cache.regathered((*plain, plain[0][:, :2]))  # a view of a plain parameter is tracked
