@@ -516,6 +516,8 @@ class DoraLinearLayer(nn.Module):
                 return self._sharded_norm(weight, lora_A, lora_B, scaling, adapter_name, shards)
         sources, extra = (*_weight_sources(weight), source(lora_A), source(lora_B)), (float(scaling),)
         shards = dora_dist.stand_ins(sources)
+        if shards is None and type(weight) is torch.Tensor:  # not a parameter: FSDP1's views, kept on its shards
+            shards = dora_dist.flat_stand_ins((weight, lora_A, lora_B))
         if shards is not None:  # FSDP2 with a quantized W: A and B kept on their shards, as W already is
             sources, extra = shards[0], (*extra, shards[1])
         return memoised(

@@ -344,6 +344,51 @@ def flat_magnitude(module: torch.nn.Module, magnitude: torch.Tensor) -> Optional
     return FlatMagnitude(base, index, orig, group, magnitude.dtype)
 
 
+_flat_offsets: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FlatParameter -> {offset of an original: its index}
+
+
+def _flat_index(base: torch.Tensor, view: torch.Tensor) -> Optional[int]:
+    """The index among ``base``'s originals (``_param_infos``, ``_params``, ``_numels``) of ``view``, a view FSDP1
+    made of its unsharded flat parameter (found by its offset in the flat parameter; padding skipped), or None."""
+    offsets = _flat_offsets.get(base)
+    if offsets is None:
+        offsets, at, index = {}, 0, 0
+        numels = getattr(base, "_numels_with_padding", ())
+        for numel, padding in zip(numels, getattr(base, "_is_padding_mask", (False,) * len(numels))):
+            if not padding:
+                offsets.setdefault(at, index)
+                index += 1
+            at += numel
+        _flat_offsets[base] = offsets
+    index = offsets.get(view.storage_offset() - base.storage_offset())
+    numels = getattr(base, "_numels", ())
+    return index if index is not None and index < len(numels) and numels[index] == view.numel() else None
+
+
+def flat_stand_ins(views) -> Optional[tuple]:
+    """``(keys, versions)`` for memos of values computed from ``views`` (W, A and B as a forward sees them) where
+    some are FSDP1's views of its gathered flat parameter: each such view replaced by the flat parameter's local shard
+    (one object and storage for the run), with its index and the flat and original parameters' versions (an in-place
+    edit outside the optimizer moves one of them; an optimizer step ends the memo through the epoch); None where none
+    is, or where one is not found (the views then key the memo themselves). FSDP1 gathers into the same storage again
+    and hands every forward a new view, so a memo keyed on the views kept a norm for the checkpoint recompute only
+    where the allocator happened to hand back the same address."""
+    keys, versions, found = [], [], False
+    for t in views:
+        base = t._base
+        if base is None or not getattr(base, "_is_flat_param", False):
+            keys.append(t)
+            continue
+        index, local = _flat_index(base, t), getattr(base, "_local_shard", None)
+        if index is None or local is None:
+            return None
+        params = getattr(base, "_params", None)
+        keys.append(local)
+        versions += (index, base._version, None if params is None else params[index]._version)
+        found = True
+    return (tuple(keys), tuple(versions)) if found else None
+
+
 def norm_shards(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> Optional[NormShards]:
     """The keys and rows of a DoRA Linear's norm where FSDP2 manages ``W`` (stored [d_out, d_in]), ``A`` and ``B``
     (the gathered tensors a forward sees); None where it does not (the norm then runs as without FSDP2)."""

@@ -133,9 +133,14 @@ def test_fsdp2_training_equals_one_process(tmp_path, request, engine, optim, res
     assert max((b[k] - initial[k]).abs().max().item() for k in b) > 1e-3  # it trained
     if engine == "fsdp2":
         _check_sharded_norm(sharded, single, recompute=checkpointing == "1", same_params=optim == "sgd")
-    else:  # FSDP1: the whole norm on its gathered views, kept only where a recompute finds the very same views
+    else:  # FSDP1: the whole norm on its gathered views, kept on the flat shards for the recompute
         norms = [c.get("norm_computed", 0) + c.get("norm_reused", 0) for c in sharded["counts"]]
         assert norms == [2 * MODULES] * len(norms), sharded["counts"]
+        if not policy:  # decoder-layer units (PEFT's policy gives the norm copies of A and B, kept nowhere)
+            assert all(c.get("norm_reused") == MODULES for c in sharded["counts"]), sharded["counts"]
+            # eval forwards: computed, then again after B's edit, then reused (m's edit and none leave it)
+            evaluated = [(c.get("norm_computed", 0), c.get("norm_reused", 0)) for c in sharded["eval"]["counts"]]
+            assert evaluated == [(MODULES, 0), (0, MODULES), (0, MODULES)], evaluated
         for a_, b_ in zip(sharded["eval"]["logits"], single["eval"]["logits"]):  # in-place edits between forwards
             torch.testing.assert_close(a_, b_, rtol=1e-4, atol=1e-4)
     if optim == "adamw":
