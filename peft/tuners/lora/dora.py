@@ -307,7 +307,7 @@ class DoraLinearLayer(nn.Module):
         if self.training and gates.fused:
             shard = dora_dist.magnitude_shard(magnitude)
             if shard is None:
-                shard = dora_dist.flat_magnitude(self, magnitude)
+                shard = dora_dist.flat_magnitude(magnitude)
             if shard is not None:  # FSDP2, FSDP1: the answer is kept for the magnitude's shard, not its gathered copy
                 zero_free = KeyedMemo(zero_free, shard.keys, shard.versions(), shard)
             elif hasattr(magnitude, "ds_id") and dora_dist.PartitionZeroTest.applies(magnitude):

@@ -311,39 +311,6 @@ class FlatMagnitude:
         return tested, versions, self.group
 
 
-_flat_slots: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FlatParameter -> {id(module): index of its "weight"}
-
-
-def flat_magnitude(module: torch.nn.Module, magnitude: torch.Tensor) -> Optional[FlatMagnitude]:
-    """The :class:`FlatMagnitude` of ``module``'s magnitude where FSDP1 gathered it (a view of a ``FlatParameter``),
-    or None: no FSDP1, a tied or offloaded magnitude, or a shard group that is not the world (``HYBRID_SHARD``, a
-    subgroup), whose training nodes then test the gathered view as without FSDP1."""
-    base = magnitude._base
-    if base is None or not getattr(base, "_is_flat_param", False):  # FlatParameter objects are nn.Parameters so marked
-        return None
-    slots = _flat_slots.get(base)
-    if slots is None:
-        infos = getattr(base, "_param_infos", ())
-        slots = _flat_slots[base] = {id(info.module): i for i, info in enumerate(infos) if info.param_name == "weight"}
-    index = slots.get(id(module))
-    if index is None or base._param_infos[index].module is not module:
-        return None
-    local, sharded = getattr(base, "_local_shard", None), getattr(base, "_sharded_size", None)
-    if local is None or sharded is None or local.device != magnitude.device or base._numels[index] != magnitude.numel():
-        return None
-    unsharded = getattr(base, "_padded_unsharded_size", sharded)
-    shards = unsharded.numel() // max(1, sharded.numel())
-    if shards == 1:
-        group = None
-    elif dist.is_initialized() and shards == dist.get_world_size():
-        group = dist.group.WORLD
-    else:
-        return None
-    params = getattr(base, "_params", None)
-    orig = None if params is None else params[index]
-    return FlatMagnitude(base, index, orig, group, magnitude.dtype)
-
-
 _flat_offsets: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FlatParameter -> {offset of an original: its index}
 
 
@@ -363,6 +330,32 @@ def _flat_index(base: torch.Tensor, view: torch.Tensor) -> Optional[int]:
     index = offsets.get(view.storage_offset() - base.storage_offset())
     numels = getattr(base, "_numels", ())
     return index if index is not None and index < len(numels) and numels[index] == view.numel() else None
+
+
+def flat_magnitude(magnitude: torch.Tensor) -> Optional[FlatMagnitude]:
+    """The :class:`FlatMagnitude` of a magnitude FSDP1 gathered (a view of a ``FlatParameter``), or None: no FSDP1, an
+    offloaded magnitude, or a shard group that is not the world (``HYBRID_SHARD``, a subgroup), whose training nodes
+    then test the gathered view as without FSDP1."""
+    base = magnitude._base
+    if base is None or not getattr(base, "_is_flat_param", False):  # FlatParameter objects are nn.Parameters so marked
+        return None
+    index = _flat_index(base, magnitude)
+    if index is None:
+        return None
+    local, sharded = getattr(base, "_local_shard", None), getattr(base, "_sharded_size", None)
+    if local is None or sharded is None or local.device != magnitude.device:
+        return None
+    unsharded = getattr(base, "_padded_unsharded_size", sharded)
+    shards = unsharded.numel() // max(1, sharded.numel())
+    if shards == 1:
+        group = None
+    elif dist.is_initialized() and shards == dist.get_world_size():
+        group = dist.group.WORLD
+    else:
+        return None
+    params = getattr(base, "_params", None)
+    orig = None if params is None else params[index]
+    return FlatMagnitude(base, index, orig, group, magnitude.dtype)
 
 
 def flat_stand_ins(views) -> Optional[tuple]:

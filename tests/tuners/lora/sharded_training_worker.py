@@ -401,7 +401,7 @@ def zero_test_check(model, rank: int) -> dict:
         return has_zero(*magnitudes)
 
     def answer(dora_layer, magnitude) -> bool:
-        shard = dora_dist.magnitude_shard(magnitude) or dora_dist.flat_magnitude(dora_layer, magnitude)
+        shard = dora_dist.magnitude_shard(magnitude) or dora_dist.flat_magnitude(magnitude)
         known = dora_cache.KeyedMemo(dora_layer._reuse.zero_free, shard.keys, shard.versions(), shard)
         dora_cache._has_zero = counted
         try:

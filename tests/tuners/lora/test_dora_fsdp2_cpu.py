@@ -263,37 +263,34 @@ def test_zero_test_prefetch_never_reads_a_freed_parameter():
 
 
 def test_flat_magnitude_takes_the_world_only_where_it_is_the_shard_group():
-    """``dora_dist.flat_magnitude`` on a stand-in of FSDP1's flat parameter (its fields as FSDP1 sets them): a flat
-    parameter split into as many shards as the world has ranks is tested over the world; one not split (NO_SHARD)
-    needs no collective; one split otherwise (HYBRID_SHARD across nodes, a subgroup; here: no process group at all)
-    keeps the training nodes' own test (None), as does a magnitude that is not the module's own ``weight`` view."""
-    from types import SimpleNamespace
-
+    """``dora_dist.flat_magnitude`` on a stand-in of FSDP1's flat parameter (its fields as FSDP1 sets them: two
+    originals of 4 and 8 elements with 2 of padding between): a flat parameter split into as many shards as the world
+    has ranks is tested over the world; one not split (NO_SHARD) needs no collective; one split otherwise
+    (HYBRID_SHARD across nodes, a subgroup; here: no process group at all) keeps the training nodes' own test (None),
+    as does a view at no original's place."""
     from peft.tuners.lora import dora_dist
 
-    module, other = torch.nn.Module(), torch.nn.Module()
-
     def flat_of(shards: int):
-        flat = torch.nn.Parameter(torch.zeros(12))
+        flat = torch.nn.Parameter(torch.zeros(14))
         flat._is_flat_param = True
-        flat._param_infos = [SimpleNamespace(param_name="weight", module=other),
-                             SimpleNamespace(param_name="weight", module=module)]  # fmt: skip
-        flat._numels = [4, 8]
+        flat._numels_with_padding, flat._is_padding_mask, flat._numels = (4, 2, 8), [False, True, False], (4, 8)
         flat._local_shard = flat.data
-        flat._sharded_size = torch.Size([12 // shards])
-        flat._padded_unsharded_size = torch.Size([12])
+        flat._sharded_size = torch.Size([14 // shards])
+        flat._padded_unsharded_size = torch.Size([14])
         return flat
 
     flat = flat_of(1)
-    found = dora_dist.flat_magnitude(module, flat.split([4, 8])[1])
+    found = dora_dist.flat_magnitude(flat[6:14])
     assert found is not None and found.index == 1 and found.group is None and found.orig is None
     assert found.param is flat and found.keys[0] is flat._local_shard
-    assert dora_dist.flat_magnitude(torch.nn.Module(), flat.split([4, 8])[1]) is None  # not one of its modules
-    assert dora_dist.flat_magnitude(module, flat.split([4, 8])[0]) is None  # the other module's weight view
-    assert dora_dist.flat_magnitude(module, torch.nn.Parameter(torch.zeros(8))) is None  # not a view: no FSDP1
+    assert dora_dist.flat_magnitude(flat[0:4]).index == 0
+    assert dora_dist.flat_magnitude(flat[4:12]) is None  # no original starts there
+    assert dora_dist.flat_magnitude(flat[6:10]) is None  # an original's place, not its size
+    assert dora_dist.flat_magnitude(torch.nn.Parameter(torch.zeros(8))) is None  # not a view: no FSDP1
     assert not torch.distributed.is_initialized()
-    two = flat_of(2)
-    assert dora_dist.flat_magnitude(module, two.split([4, 8])[1]) is None  # split, and the world is not its group
+    assert dora_dist.flat_magnitude(flat_of(2)[6:14]) is None  # split, and the world is not its group
+    keys, versions = dora_dist.flat_stand_ins((flat[0:4], torch.ones(2), flat[6:14]))
+    assert keys[0] is keys[2] is flat._local_shard and versions == (0, flat._version, None, 1, flat._version, None)
 
 
 @pytest.mark.parametrize("engine", ("fsdp2", "fsdp1"))
