@@ -107,12 +107,19 @@ def identity_tracked(tensors, inference: bool = True) -> bool:
 _QUANTIZED_PARAMS = ("Params4bit", "Int8Params")  # bitsandbytes' (dora_quant.quantized_kind)
 
 
+def flat_parameter_of(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The ``FlatParameter`` (an ``nn.Parameter`` FSDP1 marks ``_is_flat_param``) that ``t`` is a view of, else None:
+    FSDP1 hands a forward such views of its unsharded flat parameters instead of the parameters."""
+    base = t._base
+    return base if base is not None and getattr(base, "_is_flat_param", False) else None
+
+
 def regathered(tensors) -> bool:
-    """Whether any of ``tensors`` is a view FSDP1 makes of its unsharded ``FlatParameter`` (an ``nn.Parameter`` so
-    marked): a new view in every forward, over storage gathered anew, so a norm graph keyed on it never replays: its
-    every forward would run the first-sight eager path under the graphed norms' kernel rule (on 2x H200 at r = 128,
-    the split path's seven launches, ~0.48 ms of host per norm) instead of the eager norms' one launch."""
-    return any(getattr(t._base, "_is_flat_param", False) for t in tensors)
+    """Whether any of ``tensors`` is a view FSDP1 makes of its unsharded flat parameter (:func:`flat_parameter_of`):
+    a new view in every forward, over storage gathered anew, so a norm graph keyed on it never replays: its every
+    forward would run the first-sight eager path under the graphed norms' kernel rule (on 2x H200 at r = 128, the
+    split path's seven launches, ~0.48 ms of host per norm) instead of the eager norms' one launch."""
+    return any(flat_parameter_of(t) is not None for t in tensors)
 
 
 class Memo:

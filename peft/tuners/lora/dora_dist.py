@@ -284,13 +284,13 @@ class FlatMagnitude:
         return self.index
 
     def versions(self) -> tuple:
-        return (self.index, self.flat._version, None if self.orig is None else self.orig._version)
+        return _flat_versions(self.flat, self.index)
 
     def watch(self) -> tuple:
         """As :meth:`MagnitudeShard.watch`: the rank's slice of the magnitude in the local shard (empty where the
-        magnitude lies in other ranks' shards), in the gathered dtype."""
-        flat, orig, index, dtype = weakref.ref(self.flat), self.orig, self.index, self.dtype
-        orig = None if orig is None else weakref.ref(orig)
+        magnitude lies in other ranks' shards), in the gathered dtype. The flat parameter, held weakly, holds the
+        original parameter."""
+        flat, index, dtype = weakref.ref(self.flat), self.index, self.dtype
 
         def tested():
             f = flat()
@@ -303,12 +303,17 @@ class FlatMagnitude:
             return local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].to(dtype)
 
         def versions():
-            f, o = flat(), None if orig is None else orig()
-            if f is None or (orig is not None and o is None):
-                return None
-            return (index, f._version, None if o is None else o._version)
+            f = flat()
+            return None if f is None else _flat_versions(f, index)
 
         return tested, versions, self.group
+
+
+def _flat_versions(flat: torch.Tensor, index: int) -> tuple:
+    """What keys a value computed from FSDP1's original ``index`` of ``flat`` beside its local shard: the index and
+    the flat and original parameters' version counters (the original's is None without ``use_orig_params``)."""
+    params = getattr(flat, "_params", None)
+    return (index, flat._version, None if params is None else params[index]._version)
 
 
 _flat_offsets: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FlatParameter -> {offset of an original: its index}
@@ -336,8 +341,8 @@ def flat_magnitude(magnitude: torch.Tensor) -> Optional[FlatMagnitude]:
     """The :class:`FlatMagnitude` of a magnitude FSDP1 gathered (a view of a ``FlatParameter``), or None: no FSDP1, an
     offloaded magnitude, or a shard group that is not the world (``HYBRID_SHARD``, a subgroup), whose training nodes
     then test the gathered view as without FSDP1."""
-    base = magnitude._base
-    if base is None or not getattr(base, "_is_flat_param", False):  # FlatParameter objects are nn.Parameters so marked
+    base = dora_cache.flat_parameter_of(magnitude)
+    if base is None:
         return None
     index = _flat_index(base, magnitude)
     if index is None:
@@ -368,16 +373,15 @@ def flat_stand_ins(views) -> Optional[tuple]:
     where the allocator happened to hand back the same address."""
     keys, versions, found = [], [], False
     for t in views:
-        base = t._base
-        if base is None or not getattr(base, "_is_flat_param", False):
+        base = dora_cache.flat_parameter_of(t)
+        if base is None:
             keys.append(t)
             continue
         index, local = _flat_index(base, t), getattr(base, "_local_shard", None)
         if index is None or local is None:
             return None
-        params = getattr(base, "_params", None)
         keys.append(local)
-        versions += (index, base._version, None if params is None else params[index]._version)
+        versions += _flat_versions(base, index)
         found = True
     return (tuple(keys), tuple(versions)) if found else None
 
