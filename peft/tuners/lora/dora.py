@@ -515,14 +515,18 @@ class DoraLinearLayer(nn.Module):
             if shards is not None:
                 return self._sharded_norm(weight, lora_A, lora_B, scaling, adapter_name, shards)
         sources, extra = (*_weight_sources(weight), source(lora_A), source(lora_B)), (float(scaling),)
-        shards = dora_dist.stand_ins(sources)
+        shards, partitioned = dora_dist.stand_ins(sources), False
         if shards is None and type(weight) is torch.Tensor:  # not a parameter: FSDP1's views, kept on its shards
             shards = dora_dist.flat_stand_ins((weight, lora_A, lora_B))
+        if shards is None:  # DeepSpeed ZeRO-3: kept on the partitions, for the recompute only (see the function)
+            shards = dora_dist.partition_stand_ins(sources)
+            partitioned = shards is not None
         if shards is not None:  # FSDP2 with a quantized W: A and B kept on their shards, as W already is
             sources, extra = shards[0], (*extra, shards[1])
+        mode = reuse_mode(self, sources)
         return memoised(
             self._reuse.norm,
-            reuse_mode(self, sources),
+            "recompute" if partitioned and mode else mode,
             "norm",
             sources,
             # the Embedding's and Conv's own _fresh_norm take no ``batched``: only the Linear's training node asks

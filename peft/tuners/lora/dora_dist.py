@@ -29,8 +29,9 @@ do the same for the scale, the decode factors and the magnitude's zero test.
 FSDP2 publishes no map from a gathered parameter to its shard; the one private read (its per-module state and
 ``FSDPParam`` objects) is :func:`_index`, and anything it does not find computes the norm as without FSDP2.
 
-DeepSpeed ZeRO-3 gathers a magnitude into new storage at every gather: :class:`PartitionZeroTest` tests its
-partitions for zeros, once per optimizer step for all of them.
+DeepSpeed ZeRO-3 gathers a parameter into new storage at every gather: :class:`PartitionZeroTest` tests the
+magnitudes' partitions for zeros, once per optimizer step for all of them, and :func:`partition_stand_ins` keys the
+norm's memo on W's, A's and B's partitions, so that the checkpoint recompute reuses its forward's norm.
 
 FSDP1 (``FullyShardedDataParallel``) holds a unit's parameters whole only inside that unit's own forward. PEFT's
 ``fsdp_auto_wrap_policy``, which accelerate and the Trainer apply to a PEFT model, makes every ``lora_A``, ``lora_B``
@@ -495,6 +496,26 @@ def unit_norms(unit) -> UnitNorms:
     if norms is None:
         norms = _unit_norms[unit] = UnitNorms()
     return norms
+
+
+def partition_stand_ins(tensors) -> Optional[tuple]:
+    """``(keys, versions)`` for a memo of values computed from ``tensors`` where some are DeepSpeed ZeRO-3 parameters:
+    each replaced by its partition (``ds_tensor``, this rank's: one object for the run, where the gathered tensor is
+    new storage at every gather), with the parameter's version counter (an in-place edit of the gathered parameter,
+    as inside ``GatheredParameters``, moves it; ``.data`` swaps keep it); the memo's key holds the partition's own.
+    None where none is. ZeRO-3 writes its updated partitions through ``.data``, which no counter shows, so such a
+    memo holds only until the next optimizer step (the epoch: DeepSpeed steps through the torch optimizer it wraps)
+    and serves only the checkpoint recompute (``dora_cache.memoised``'s ``"recompute"``), never a later forward."""
+    keys, versions, found = [], [], False
+    for t in tensors:
+        part = getattr(t, "ds_tensor", None) if hasattr(t, "ds_id") else None
+        if not isinstance(part, torch.Tensor):
+            keys.append(t)
+            continue
+        keys.append(part)
+        versions.append(t._version)  # the partition's own version is in the memo's key (dora_cache.tensor_keys)
+        found = True
+    return (tuple(keys), tuple(versions)) if found else None
 
 
 class PartitionZeroTest:

@@ -84,6 +84,10 @@ def arguments() -> argparse.ArgumentParser:
                         "DeepSpeed (on CPU its CPU accelerator)")  # fmt: skip
     p.add_argument("--zero-test", type=int, default=0, help="1: check the sharded magnitudes' zero-test prefetch")
     p.add_argument("--resume", type=int, default=0, help="1: a sharded checkpoint, a detour and a resume mid-run")
+    p.add_argument("--edit-partitions", type=int, default=0,
+                   help="1 (ZeRO-3): every odd step scales each rank's partition of every lora_A in place between the "
+                        "forward and the backward, so that the checkpoint's recompute reads other A than its forward "
+                        "did")  # fmt: skip
     p.add_argument("--b-columns", type=int, default=0, help="1: FSDP2 shards every lora_B over its columns")
     p.add_argument(
         "--fsdp1-policy",
@@ -192,10 +196,12 @@ def main() -> int:
     losses, counts = [], []
     syncs = []  # host syncs in each step's forward and backward (CUDA only): counted by the sync debug mode
 
-    def train_step(ids: torch.Tensor, count_syncs: bool) -> float:
+    def train_step(ids: torch.Tensor, count_syncs: bool, edit: bool = False) -> float:
         ids = ids.to(args.device)
         with _counting_syncs(count_syncs, syncs):
             loss = model(input_ids=ids, labels=ids).loss
+            if edit:
+                _edit_partitions(model)
             model.backward(loss) if zero else loss.backward()
         if zero:
             model.step()  # the optimizer step and zeroing the gradients
@@ -218,7 +224,10 @@ def main() -> int:
             _checkpoint(model, opt, args.out + ".ckpt", save=False)
         norm_counts.clear()
         zero_tests["calls"] = 0
-        losses.append(train_step(data[step], args.device == "cuda" and step > 0))  # step 0 sets up caches, kernels
+        edit = bool(args.edit_partitions and step % 2)
+        losses.append(
+            train_step(data[step], args.device == "cuda" and step > 0, edit)
+        )  # step 0 sets up caches, kernels
         counts.append(dict(norm_counts, zero_tests=zero_tests["calls"], **_tiers()))
     from peft import get_peft_model_state_dict
 
@@ -340,6 +349,17 @@ def _norm_counts() -> collections.Counter:
     from peft.tuners.lora import dora
 
     return getattr(dora, "norm_counts", collections.Counter())
+
+
+@torch.no_grad()
+def _edit_partitions(model) -> None:
+    """``--edit-partitions``: every rank scales its ZeRO-3 partition (``ds_tensor``) of every lora_A in place, the
+    state the next gather reads; without a partition (another engine) the test has nothing to edit."""
+    parts = [p.ds_tensor for name, p in model.named_parameters() if "lora_A" in name and hasattr(p, "ds_tensor")]
+    if not parts:
+        raise SystemExit("--edit-partitions needs ZeRO-3's partitioned parameters")
+    for part in parts:
+        part.mul_(1.05)
 
 
 def _gathered(params: list, modifier_rank=None):
