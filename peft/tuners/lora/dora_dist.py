@@ -184,18 +184,30 @@ def stand_ins(tensors) -> Optional[tuple]:
     each gathered tensor replaced by the rank's local shard, with :func:`shard_versions`; None where none is (the
     tensors key the memo themselves). A gathered tensor's own address and version counter do not stand for its
     values (see the module's docstring)."""
-    if not _module_state_mapping:
-        return None
+    return _stood_in(tensors, _fsdp2_stand_in) if _module_state_mapping else None
+
+
+def _fsdp2_stand_in(t: torch.Tensor):
+    fp = fsdp_param(t)
+    local = None if fp is None else _local_shard(fp)
+    return None if local is None else (local, shard_versions(fp.sharded_param, t))
+
+
+def _stood_in(tensors, stand_in) -> Optional[tuple]:
+    """``(keys, versions)``: ``tensors`` with each one ``stand_in`` answers for replaced by its key, and their
+    versions; None where it answers for none, or where it answers False for one (one that cannot be keyed).
+    ``stand_in(t)``: None (``t`` keys itself), False, or ``(key, versions)``."""
     keys, versions, found = [], [], False
     for t in tensors:
-        fp = fsdp_param(t)
-        local = None if fp is None else _local_shard(fp)
-        if local is None:
+        got = stand_in(t)
+        if got is None:
             keys.append(t)
-        else:
-            keys.append(local)
-            versions += shard_versions(fp.sharded_param, t)
-            found = True
+            continue
+        if got is False:
+            return None
+        keys.append(got[0])
+        versions += got[1]
+        found = True
     return (tuple(keys), tuple(versions)) if found else None
 
 
@@ -372,19 +384,15 @@ def flat_stand_ins(views) -> Optional[tuple]:
     is, or where one is not found (the views then key the memo themselves). FSDP1 gathers into the same storage again
     and hands every forward a new view, so a memo keyed on the views kept a norm for the checkpoint recompute only
     where the allocator happened to hand back the same address."""
-    keys, versions, found = [], [], False
-    for t in views:
-        base = dora_cache.flat_parameter_of(t)
-        if base is None:
-            keys.append(t)
-            continue
-        index, local = _flat_index(base, t), getattr(base, "_local_shard", None)
-        if index is None or local is None:
-            return None
-        keys.append(local)
-        versions += _flat_versions(base, index)
-        found = True
-    return (tuple(keys), tuple(versions)) if found else None
+    return _stood_in(views, _flat_stand_in)
+
+
+def _flat_stand_in(t: torch.Tensor):
+    base = dora_cache.flat_parameter_of(t)
+    if base is None:
+        return None
+    index, local = _flat_index(base, t), getattr(base, "_local_shard", None)
+    return False if index is None or local is None else (local, _flat_versions(base, index))
 
 
 def norm_shards(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> Optional[NormShards]:
@@ -506,16 +514,13 @@ def partition_stand_ins(tensors) -> Optional[tuple]:
     None where none is. ZeRO-3 writes its updated partitions through ``.data``, which no counter shows, so such a
     memo holds only until the next optimizer step (the epoch: DeepSpeed steps through the torch optimizer it wraps)
     and serves only the checkpoint recompute (``dora_cache.memoised``'s ``"recompute"``), never a later forward."""
-    keys, versions, found = [], [], False
-    for t in tensors:
-        part = getattr(t, "ds_tensor", None) if hasattr(t, "ds_id") else None
-        if not isinstance(part, torch.Tensor):
-            keys.append(t)
-            continue
-        keys.append(part)
-        versions.append(t._version)  # the partition's own version is in the memo's key (dora_cache.tensor_keys)
-        found = True
-    return (tuple(keys), tuple(versions)) if found else None
+    return _stood_in(tensors, _partition_stand_in)
+
+
+def _partition_stand_in(t: torch.Tensor):
+    part = getattr(t, "ds_tensor", None) if hasattr(t, "ds_id") else None
+    # the partition's own version is in the memo's key (dora_cache.tensor_keys)
+    return (part, (t._version,)) if isinstance(part, torch.Tensor) else None
 
 
 class PartitionZeroTest:

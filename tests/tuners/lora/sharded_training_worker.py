@@ -225,9 +225,8 @@ def main() -> int:
         norm_counts.clear()
         zero_tests["calls"] = 0
         edit = bool(args.edit_partitions and step % 2)
-        losses.append(
-            train_step(data[step], args.device == "cuda" and step > 0, edit)
-        )  # step 0 sets up caches, kernels
+        count_syncs = args.device == "cuda" and step > 0  # step 0 sets up caches, kernels
+        losses.append(train_step(data[step], count_syncs, edit))
         counts.append(dict(norm_counts, zero_tests=zero_tests["calls"], **_tiers()))
     from peft import get_peft_model_state_dict
 
