@@ -109,6 +109,10 @@ def parse_args(argv=None):
       help="merge the headline keys into PATH (default results/headline.json); GPU runs only")  # fmt: skip
     a("--headline-from", nargs="+", metavar="JSON",
       help="only write the headline keys of these committed run JSONs (in order) into --headline's PATH")  # fmt: skip
+    a("--pool", nargs="+", metavar="JSON",
+      help="pool the timed rounds of these runs of one configuration (engine, model, precision, ranks, impls, seq, "
+      "batch, steps) into --out: the ratios become medians over all their rounds (runs of this host-bound step move "
+      "by more between rounds than a change of the code does; every run's own argv stays in runs)")  # fmt: skip
     a("--timeout-s", type=float, default=600.0, help="per launch; the launch's process group is killed after it")
     a("--deadline-min", type=float, help="start no launch after this many minutes (skipped launches are listed)")
     a("--no-single", action="store_true", help="skip the single-process reference (ours, no engine, global batch)")
@@ -571,6 +575,35 @@ def run(args, argv: list) -> int:
     return 1 if doc["errors"] else 0
 
 
+POOLED_CONFIG = ("engine", "nproc", "device", "shape", "model", "ranks", "impls", "seq", "batch", "precision", "quant",
+                 "reshard", "meta_init", "warmup", "steps", "lr", "lora")  # fmt: skip
+
+
+def pool_runs(paths: list) -> dict:
+    """One document with the timed rounds of every run in ``paths`` (the same configuration, :data:`POOLED_CONFIG`),
+    renumbered in order, so that ``summarize``'s medians of per-round ratios run over all of them. The references
+    (single process, norm check) and errors of each run come along; ``config["pooled_from"]`` names the files."""
+    docs = [json.loads(Path(path).read_text()) for path in paths]
+    out = json.loads(json.dumps(docs[0]))
+    out["config"]["pooled_from"] = [Path(path).name for path in paths]
+    offset = 1 + max((r["round"] for r in out["records"]), default=-1)
+    for path, doc in zip(paths[1:], docs[1:]):
+        differ = [k for k in POOLED_CONFIG if doc["config"].get(k) != out["config"].get(k)]
+        if doc["kind"] != out["kind"] or differ:
+            raise SystemExit(f"--pool: {path} is another configuration ({', '.join(differ) or doc['kind']})")
+        if doc["env"].get("gpu") != out["env"].get("gpu"):
+            raise SystemExit(f"--pool: {path} ran on {doc['env'].get('gpu')}, not {out['env'].get('gpu')}")
+        rounds = 1 + max((r["round"] for r in doc["records"]), default=-1)
+        for key in ("records", "launches", "errors"):
+            out[key] += [dict(r, round=r["round"] + offset) if "round" in r else r for r in doc[key]]
+        for key in ("runs", "skipped"):
+            out[key] += doc[key]
+        out["env"]["date"] = doc["env"].get("date", out["env"].get("date"))
+        offset += rounds
+    out["config"]["rounds"] = offset
+    return out
+
+
 def headline_from(paths: list, headline: Path) -> int:
     """The headline keys of committed runs, recomputed from their JSON (``summarize`` over the records as they ran).
     A key that several runs set (the same engine in both precisions) takes the worst of them: the smallest speed-up,
@@ -608,6 +641,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.headline_from:
         return headline_from(args.headline_from, Path(args.headline or bench_model.RESULTS / "headline.json"))
+    if args.pool:
+        if not args.out:
+            raise SystemExit("--pool needs --out")
+        doc, out = pool_runs(args.pool), Path(args.out)
+        write_doc(doc, out, {})
+        print_table(doc)
+        print(f"wrote {out}")
+        png = plot(doc, out.with_suffix(".png"))
+        print(f"wrote {png}" if png else "no plot: matplotlib is not installed")
+        return 0
     return run(args, argv)
 
 

@@ -141,6 +141,36 @@ def test_headline_from_several_runs_takes_the_worst_of_each_key(tmp_path, monkey
         "multi_gpu_gpu": "2x H200 (fsdp2); 2x H100 (zero3)", "other": 1}  # fmt: skip
 
 
+def test_pool_runs_joins_rounds_of_one_configuration(tmp_path):
+    """Pooled runs are one run of all their rounds (renumbered in order), so the ratios are medians over every round,
+    not over the first run's; a run of another configuration or GPU is refused."""
+    cfg = _cfg("--ranks", "16", "--engine", "zero3", "--rounds", "1")
+    first = [_rec("ours", 16, 0, 14.0), _rec("lora", 16, 0, 10.0), _rec("upstream", 16, 0, 20.0)]
+    second = [_rec(i, 16, r, ms) for r, (o, lo) in enumerate(((9.0, 10.0), (12.0, 10.0))) for i, ms in
+              (("ours", o), ("lora", lo), ("upstream", 20.0))]  # fmt: skip
+
+    def run(name, records, rounds, **env):
+        doc = {"kind": "gpu", "config": dict(cfg, rounds=rounds), "records": records, "env": {"gpu": "H200", **env},
+               "runs": [{"argv": [name]}], "launches": [{"impl": r["impl"], "round": r["round"]} for r in records],
+               "errors": [], "skipped": []}  # fmt: skip
+        (tmp_path / name).write_text(json.dumps(doc))
+        return str(tmp_path / name)
+
+    a, b = run("a.json", first, 1), run("b.json", second, 2)
+    assert bench_multi_gpu.summarize(json.loads(open(a).read()))[0]["dora_over_lora"]["ours"] == pytest.approx(1.4)
+    pooled = bench_multi_gpu.pool_runs([a, b])
+    assert sorted({r["round"] for r in pooled["records"]}) == [0, 1, 2] and pooled["config"]["rounds"] == 3
+    assert [r["argv"] for r in pooled["runs"]] == [["a.json"], ["b.json"]]
+    assert pooled["config"]["pooled_from"] == ["a.json", "b.json"]
+    assert bench_multi_gpu.summarize(pooled)[0]["dora_over_lora"]["ours"] == pytest.approx(1.2)  # 1.4, 0.9, 1.2
+    other = dict(json.loads(open(b).read()), config=dict(cfg, rounds=2, precision="mp"))
+    (tmp_path / "c.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="another configuration .precision"):
+        bench_multi_gpu.pool_runs([a, str(tmp_path / "c.json")])
+    with pytest.raises(SystemExit, match="ran on H100"):
+        bench_multi_gpu.pool_runs([a, run("d.json", second, 2, gpu="H100")])
+
+
 @pytest.mark.slow
 def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
     """Three torchrun launches (four with upstream) of two gloo processes each: FSDP2 over a tiny Llama, every step's
