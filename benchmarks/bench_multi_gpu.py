@@ -56,6 +56,9 @@ IMPLS = {  # name: (wheel, is our DoRA's package, use_dora)
     "lora": {"wheel": "ours", "ours": True, "dora": False},
     # ours with every FSDP2 rank computing the whole norm (no norm all-gather): against the sharded norm in one run
     "ours_whole_norm": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_SHARDED_NORM": "0"}},
+    # ours with the one-pass norm kernel at every rank it runs (PEFT_DORA_NORM_KERNEL=1): one launch per norm where
+    # the auto rule takes the split path's seven above dora_norm._KERNEL_MAX_RANK_EAGER
+    "ours_norm_kernel": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_NORM_KERNEL": "1"}},
 }
 DORA = ("ours", "upstream")  # the DoRA impls every summary row names (others: where the run has them)
 REFERENCES = ("single", "norm_check")  # launches of ours that check the run, not timed (job_spec)
