@@ -59,6 +59,8 @@ IMPLS = {  # name: (wheel, is our DoRA's package, use_dora)
     # ours with the one-pass norm kernel at every rank it runs (PEFT_DORA_NORM_KERNEL=1): one launch per norm where
     # the auto rule takes the split path's seven above dora_norm._KERNEL_MAX_RANK_EAGER
     "ours_norm_kernel": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_NORM_KERNEL": "1"}},
+    # ours with the FSDP2 sharded norms computed in the optimizer-step hook (PEFT_DORA_STEP_NORMS=1, experimental)
+    "ours_step_norms": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_STEP_NORMS": "1"}},
 }
 DORA = ("ours", "upstream")  # the DoRA impls every summary row names (others: where the run has them)
 REFERENCES = ("single", "norm_check")  # launches of ours that check the run, not timed (job_spec)

@@ -52,6 +52,7 @@ from .dora_cache import (
 )
 from .dora_cache import invalidate_norm_caches as invalidate_norm_caches  # public here, as documented
 from .dora_cache import norm_counts as norm_counts  # public here, as documented
+from .dora_cache import step_callbacks as dora_cache_step_callbacks
 from .dora_dispatch import (
     KERNEL_DTYPES,
     TIER_DECODE,
@@ -575,6 +576,8 @@ class DoraLinearLayer(nn.Module):
                 with dora_norm.eager_norms():
                     w_sq = self._shard_w_sq(weight, weight, lora_A, lora_B, shards)
                     return self.get_weight_norm(weight, lora_A, lora_B, scaling, adapter_name=adapter_name, w_sq=w_sq)
+            if shards.env.step_norms:  # PEFT_DORA_STEP_NORMS=1: the next ones computed after each optimizer step
+                dora_dist.watch_step_norms(self, float(scaling))
             waiting = reuse.batched.get(shards.keys, extra)
             reuse.batched.clear()
             if waiting is not None:
@@ -971,6 +974,59 @@ class DoraLinearLayer(nn.Module):
 
     def __repr__(self) -> str:
         return "lora.dora." + super().__repr__()
+
+
+def precompute_step_norms(optimizer) -> None:
+    """PEFT_DORA_STEP_NORMS=1 (experimental), after each optimizer step: the sharded norms of the DoRA Linears that
+    ``optimizer`` steps (their A or B), computed from the ranks' shards the step has just written, for the next
+    forward to take (``LayerReuse.batched``, keyed as the forward keys its norm: shards, versions, scaling, gathered
+    dtypes; anything changed since and the forward computes its own). Per process group, one all-gather assembles
+    the whole A matrices from their row shards and one the norms from every rank's rows, each rank computing its own
+    rows as a forward would (``_own_rows``'s operands in the gathered dtypes, the same kernels): in place of one row
+    all-gather per FSDP2 unit inside the forward, each a point on the compute stream where the ranks wait for each
+    other. Every rank steps the same optimizer and asks the same layers in the same order, so the collectives match."""
+    layers = dora_dist.step_layers()
+    if not layers or not dora_settings.current().step_norms:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    groups: dict = {}  # id(group) -> (group, [(layer, shards, scaling)])
+    for layer, scaling in layers:
+        shards = layer._reuse.shards
+        if shards is None or shards.group is None or not shards.current():
+            continue
+        if id(shards.params[1]) not in stepped and id(shards.params[2]) not in stepped:
+            continue
+        a_group = dora_dist._row_group(shards.fsdp_params[1])
+        if a_group is None or a_group[0] is not shards.group:
+            continue
+        rank, world = a_group[1], a_group[2]
+        start, stop = dora_dist.own_row_range(shards.gathered[1].shape[0], rank, world)
+        if shards.keys[1].dim() != 2 or shards.keys[1].shape[0] != stop - start:
+            continue
+        groups.setdefault(id(shards.group), (shards.group, []))[1].append((layer, shards, scaling))
+
+    def gathered_dtype(shards, i: int) -> torch.Tensor:
+        local, dtype = shards.keys[i], shards.gathered[i].dtype  # FSDP2's mixed precision gathers in param_dtype
+        return local if local.dtype == dtype else local.to(dtype)
+
+    with torch.no_grad():
+        for group, jobs in groups.values():
+            whole_a = dora_dist.gather_whole_rows(
+                [gathered_dtype(sh, 1) for _, sh, _ in jobs], [sh.gathered[1].shape[0] for _, sh, _ in jobs], group
+            )
+            parts = []
+            with dora_norm.eager_norms():  # as ``_own_rows`` computes them
+                for (layer, sh, scaling), lora_A in zip(jobs, whole_a):
+                    w_rows, b_rows = gathered_dtype(sh, 0), gathered_dtype(sh, 2)
+                    w_sq = layer._shard_w_sq(sh.gathered[0], w_rows, lora_A, b_rows, sh)
+                    parts.append(factored_row_norm(w_rows, lora_A, b_rows, scaling, w_sq=w_sq))
+            norm_counts["step_norms"] += len(jobs)
+            for (layer, sh, scaling), norm in zip(jobs, dora_dist.gather_rows(parts, [sh for _, sh, _ in jobs])):
+                weight, lora_A, lora_B = sh.gathered
+                layer._reuse.batched.put(sh.keys, norm, _shard_extra(weight, lora_A, lora_B, scaling, sh))
+
+
+dora_cache_step_callbacks.append(precompute_step_norms)
 
 
 class DoraEmbeddingLayer(DoraLinearLayer):

@@ -61,6 +61,14 @@ def _after_optimizer_step(optimizer=None, *_args, **_kwargs) -> None:
         prefetch_zero_tests()
     if _shard_watch and optimizer is not None:
         prefetch_shard_zero_tests(optimizer)
+    if optimizer is not None:
+        for callback in step_callbacks:
+            callback(optimizer)
+
+
+# What else runs after every optimizer step, with the optimizer, once the epoch has moved on (modules that this one
+# cannot import add theirs: ``dora.precompute_step_norms``, PEFT_DORA_STEP_NORMS=1)
+step_callbacks: list = []
 
 
 # Optimizers built on torch.optim (PyTorch's, bitsandbytes', DeepSpeed's) may write parameters through `.data`,

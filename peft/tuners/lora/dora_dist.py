@@ -88,6 +88,11 @@ class NormShards:
         gathered = self.gathered
         if gathered[0] is not weight or gathered[1] is not lora_A or gathered[2] is not lora_B:
             return False
+        return self.current()
+
+    def current(self) -> bool:
+        """Whether FSDP2 still holds these sharded parameters and local shards, under the same settings (what
+        :meth:`holds` asks beside the gathered objects)."""
         if self.env is not dora_settings.current() or not _module_state_mapping:
             return False
         return all(
@@ -450,6 +455,55 @@ def gather_rows(parts: list, shards: list) -> list:
     rows = [out.new_empty(world, chunk) for chunk in chunks]
     torch.split_with_sizes_copy(out.view(world, -1), chunks, dim=1, out=rows)
     return [r.view(-1)[: s.d_out] for r, s in zip(rows, shards)]
+
+
+@torch.no_grad()
+def gather_whole_rows(parts: list, rows: list, group) -> list:
+    """Whole tensors of ``rows[i]`` rows from every rank's ``torch.chunk`` rows of them (``parts``: this rank's,
+    2-D, one dtype; FSDP2's row shards of the A matrices) in one all-gather (each rank's rows padded to the chunk)."""
+    world = dist.get_world_size(group)
+    chunks = [-(-n // world) for n in rows]
+    flat = []
+    for part, chunk in zip(parts, chunks):
+        padded = part.new_zeros((chunk, part.shape[1]))
+        padded[: part.shape[0]].copy_(part)
+        flat.append(padded.view(-1))
+    send = torch.cat(flat)
+    out = send.new_empty(world * send.shape[0])
+    dist.all_gather_into_tensor(out, send, group=group)
+    norm_counts["step_gathers"] += 1
+    out, whole, offset = out.view(world, -1), [], 0
+    for part, chunk, n in zip(parts, chunks, rows):
+        size = chunk * part.shape[1]
+        whole.append(out[:, offset : offset + size].reshape(world * chunk, part.shape[1])[:n])
+        offset += size
+    return whole
+
+
+# PEFT_DORA_STEP_NORMS=1: the DoRA Linears whose sharded norms the optimizer-step hook computes ahead, in the order
+# their first sharded norm was asked for (the forward order, the same on every rank: the hook's collectives match),
+# each with the scaling it last asked with
+_step_layers: dict = {}  # id(layer) -> (weakref to the layer, scaling)
+
+
+def watch_step_norms(layer, scaling: float) -> None:
+    """Have the optimizer-step hook compute ``layer``'s sharded norm ahead (``dora.precompute_step_norms``)."""
+    key = id(layer)
+    entry = _step_layers.get(key)
+    if entry is None or entry[1] != scaling:
+        ref = entry[0] if entry is not None else weakref.ref(layer, lambda _ref: _step_layers.pop(key, None))
+        _step_layers[key] = (ref, scaling)
+
+
+def step_layers() -> list:
+    """``(layer, scaling)`` of the live layers :func:`watch_step_norms` was asked for, in their order."""
+    return [(layer, scaling) for ref, scaling in list(_step_layers.values()) if (layer := ref()) is not None]
+
+
+def own_row_range(n: int, rank: int, world: int) -> tuple:
+    """Rows ``[start, stop)`` of ``n`` that ``torch.chunk`` (FSDP2's row sharding) gives to ``rank`` of ``world``."""
+    chunk = -(-n // world)
+    return min(n, rank * chunk), min(n, (rank + 1) * chunk)
 
 
 class UnitNorms:

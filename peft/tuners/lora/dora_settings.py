@@ -74,6 +74,7 @@ class _DoraEnv:
     norm_graph: Optional[bool]  # PEFT_DORA_NORM_GRAPH: None/True = training norms replayed as CUDA graphs, False = not
     norm_batch: Optional[bool]  # PEFT_DORA_NORM_BATCH: True = a device's training norms computed together per pass
     sharded_norm: Optional[bool]  # PEFT_DORA_SHARDED_NORM: None/True = FSDP2 ranks compute their rows, False = whole
+    step_norms: Optional[bool]  # PEFT_DORA_STEP_NORMS: True = FSDP2 sharded norms computed in the optimizer-step hook
     norm_chunk_mb: int  # PEFT_DORA_NORM_CHUNK_MB
     fwd_chunk_mb: int  # PEFT_DORA_FWD_CHUNK_MB
     dropout: str  # PEFT_DORA_DROPOUT: "exact" (upstream's semantics) or "branch" (on the LoRA branch only)
@@ -91,6 +92,7 @@ class _DoraEnv:
             norm_graph=_parse_tristate("PEFT_DORA_NORM_GRAPH"),
             norm_batch=_parse_tristate("PEFT_DORA_NORM_BATCH"),
             sharded_norm=_parse_tristate("PEFT_DORA_SHARDED_NORM"),
+            step_norms=_parse_tristate("PEFT_DORA_STEP_NORMS"),
             norm_chunk_mb=_parse_mb("PEFT_DORA_NORM_CHUNK_MB", 256, *_NORM_CHUNK_MB_RANGE),
             fwd_chunk_mb=_parse_mb("PEFT_DORA_FWD_CHUNK_MB", 256, 1, 1 << 20),
             dropout=_parse_choice("PEFT_DORA_DROPOUT", DROPOUT_MODES),

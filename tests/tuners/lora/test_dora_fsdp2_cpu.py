@@ -311,22 +311,28 @@ def test_sharded_magnitude_zero_test_started_by_the_step_hook(tmp_path, engine):
     assert out["target_on_zero_rank"]  # the zeroed entry was on rank 1's shard, so rank 0 learned it from rank 1
 
 
-@pytest.mark.parametrize("engine", ("fsdp2", "fsdp2-whole", "fsdp1", "zero2", "zero3"))
+@pytest.mark.parametrize("engine", ("fsdp2", "fsdp2-whole", "fsdp2-step", "fsdp1", "zero2", "zero3"))
 def test_resume_from_a_sharded_checkpoint(tmp_path, engine):
     """Mid-run, a sharded checkpoint (``torch.distributed.checkpoint`` under FSDP2, DeepSpeed's own under ZeRO; model
     and AdamW state), three steps on other data, then the checkpoint loaded into the live model and optimizer: the
     next losses are the uninterrupted run's. Under FSDP2, loading writes the shards behind every kept norm and
     ``‖W‖²``, which must then be computed again (``fsdp2-whole``: with ``PEFT_DORA_SHARDED_NORM=0``, the whole
-    ``‖W‖²`` kept on the same shard). FSDP1 (``use_orig_params``) goes through ``torch.distributed.checkpoint`` too."""
+    ``‖W‖²`` kept on the same shard; ``fsdp2-step``: with ``PEFT_DORA_STEP_NORMS=1``, where the last detour step's
+    hook left norms of the detour's values waiting, which the first forward after the load must not take). FSDP1
+    (``use_orig_params``) goes through ``torch.distributed.checkpoint`` too."""
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed")
-    env = dict(os.environ, PEFT_DORA_SHARDED_NORM="0") if engine == "fsdp2-whole" else None
+    env = {"fsdp2-whole": {"PEFT_DORA_SHARDED_NORM": "0"}, "fsdp2-step": {"PEFT_DORA_STEP_NORMS": "1"}}.get(engine)
+    env = None if env is None else dict(os.environ, **env)
     flags = ("--optim", "adamw", "--checkpointing", "1", "--engine", engine.split("-")[0])
     resumed = _train(tmp_path, 2, *flags, "--resume", "1", env=env)
-    straight = _train(tmp_path, 2, *flags, env=env)
+    # the step norms are the forward's own (the test above): its straight run is the default one
+    straight = _train(tmp_path, 2, *flags, env=None if engine == "fsdp2-step" else env)
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"]), rtol=0, atol=1e-6)
     if engine.startswith("fsdp2"):
         assert resumed["counts"][10].get("w_sq_computed") == MODULES  # the load wrote W's shards: ||W||^2 again
+    if engine == "fsdp2-step":  # the waiting norms of the detour not taken after the load; the next step's are
+        assert not resumed["counts"][10].get("norm_batched") and resumed["counts"][11]["norm_batched"] == MODULES
 
 
 def test_fsdp2_fused_tiers_under_the_interpreter(tmp_path):
@@ -397,6 +403,32 @@ def test_fsdp2_sharded_norm_off_takes_the_whole_norm(tmp_path):
     _check_whole_norm_counts(sharded)
     for a, b in zip(sharded["eval"]["logits"], single["eval"]["logits"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_fsdp2_step_norms_are_the_forwards_norms(tmp_path):
+    """``PEFT_DORA_STEP_NORMS=1``: after each optimizer step the hook computes every sharded norm from the ranks'
+    shards the step wrote (one all-gather of the A matrices, one of the rows), and the next forward takes them
+    instead of one row all-gather per FSDP2 unit. The norms are the forward's own, bit for bit (with FSDP2's mixed
+    precision too, whose gathers cast the fp32 shards to bf16): the same losses and trained adapter as without it,
+    no norm all-gather inside a forward after the first step, and the edits between eval forwards still seen (the
+    waiting norm is keyed on the shards' versions as the forward's own). Under mixed precision, where the hook casts
+    the shards as FSDP2's gathers do; all-fp32 shards (no cast) in the resume test's ``fsdp2-step``."""
+    flags = ("--optim", "sgd", "--checkpointing", "1", "--mp", "1")
+    step = _train(tmp_path, 2, *flags, env=dict(os.environ, PEFT_DORA_STEP_NORMS="1"))
+    ahead = _train(tmp_path, 2, *flags)
+    assert step["losses"] == ahead["losses"]
+    assert sorted(step["adapter"]) == sorted(ahead["adapter"])
+    for name, value in step["adapter"].items():
+        assert torch.equal(value, ahead["adapter"][name]), name
+    for i, counts in enumerate(step["counts"]):
+        # the hook's two all-gathers (A, the rows) in every step; inside the forward one row all-gather per module in
+        # the first step (which learns the units' order), none later: every norm was waiting
+        gathers, waiting = (MODULES + 1, 0) if i == 0 else (1, MODULES)
+        assert (counts.get("norm_gathers"), counts.get("norm_batched", 0)) == (gathers, waiting), (i, counts)
+        assert counts.get("step_norms") == MODULES and counts.get("step_gathers") == 1, (i, counts)
+        assert counts.get("norm_computed") == counts.get("norm_reused") == MODULES, (i, counts)  # recompute reuses
+    for a, b in zip(step["eval"]["logits"], ahead["eval"]["logits"]):
+        assert torch.equal(a, b)
 
 
 def test_fsdp2_four_processes_train_as_one(tmp_path):
@@ -624,6 +656,36 @@ def test_gather_rows_assembles_each_norm_from_every_ranks_rows(monkeypatch):
     short = [rows_of(k, 2) for k in range(3)]  # rank 2's rows: 1, 0 and 1 of them, padded into the send buffer
     assert [p.numel() for p in short] == [1, 0, 1]
     assert all(torch.equal(n, m) for n, m in zip(dora_dist.gather_rows(short, shards), norms))
+
+
+def test_gather_whole_rows_assembles_each_matrix_from_every_ranks_rows(monkeypatch):
+    """``dora_dist.gather_whole_rows`` (``PEFT_DORA_STEP_NORMS``' A matrices): matrices of 5, 2 and 7 rows (of 4, 3
+    and 2 columns) over three ranks, each rank holding ``torch.chunk``'s rows (``own_row_range``: 2, 1 and 3 per
+    rank, the last ranks' short or empty, padded in the all-gather), with a stand-in all-gather that hands out every
+    rank's padded rows: each matrix comes back whole, in row order, from any rank's own rows."""
+    from peft.tuners.lora import dora_dist
+
+    world, shapes = 3, ((5, 4), (2, 3), (7, 2))
+    whole = [torch.arange(n * d, dtype=torch.float32).view(n, d) + 100 * k for k, (n, d) in enumerate(shapes)]
+
+    def own(k, p):
+        return whole[k][slice(*dora_dist.own_row_range(shapes[k][0], p, world))]
+
+    def all_gather_into_tensor(out, send, group=None):
+        for p in range(world):
+            padded = []
+            for k, (n, d) in enumerate(shapes):
+                rows = torch.zeros(-(-n // world), d)
+                rows[: own(k, p).shape[0]] = own(k, p)
+                padded.append(rows.view(-1))
+            out[p * send.numel() : (p + 1) * send.numel()] = torch.cat(padded)
+
+    monkeypatch.setattr(dora_dist.dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(dora_dist.dist, "all_gather_into_tensor", all_gather_into_tensor)
+    assert [own(k, 2).shape[0] for k in range(3)] == [1, 0, 1]  # rank 2: short and empty shards
+    for p in range(world):
+        got = dora_dist.gather_whole_rows([own(k, p) for k in range(3)], [n for n, _ in shapes], "g")
+        assert all(torch.equal(g, w) for g, w in zip(got, whole))
 
 
 def test_own_rows_are_computed_as_launched_norms(monkeypatch):
