@@ -104,6 +104,7 @@ def arguments() -> argparse.ArgumentParser:
     )
     p.add_argument("--quant", choices=("nf4", "fp4"), help="QDoRA: the projections 4-bit (bitsandbytes, fp32 storage)")
     p.add_argument("--mp", type=int, default=0, help="1: FSDP2 MixedPrecisionPolicy(param bf16, reduce fp32)")
+    p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (the equality tests take 20)")
     return p
 
 
@@ -192,7 +193,7 @@ def main() -> int:
     norm_counts = _norm_counts()
     zero_tests = _count_zero_tests()
     gen = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)[rank::world] for _ in range(STEPS)]
+    data = [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)[rank::world] for _ in range(args.steps)]
     losses, counts = [], []
     syncs = []  # host syncs in each step's forward and backward (CUDA only): counted by the sync debug mode
 
@@ -214,8 +215,8 @@ def main() -> int:
             loss /= world
         return loss.cpu().item()
 
-    for step in range(STEPS):
-        if args.resume and step == STEPS // 2:
+    for step in range(args.steps):
+        if args.resume and step == args.steps // 2:
             # save (torch.distributed.checkpoint, sharded), train on other data, load into the live model and
             # optimizer, go on: the next losses must be those of the run without the detour
             _checkpoint(model, opt, args.out + ".ckpt", save=True)

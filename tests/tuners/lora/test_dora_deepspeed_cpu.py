@@ -51,7 +51,7 @@ def test_zero3_fused_tiers_test_the_magnitudes_once_per_step(tmp_path, upstream_
     A than the forward did, recomputes the norm as upstream's does (its losses, checkpointed too, are the reference),
     and a norm reused there would be stale."""
     pytest.importorskip("deepspeed")
-    flags = ("--engine", "zero3", "--optim", "sgd", "--checkpointing", "1", "--edit-partitions", "1")
+    flags = ("--engine", "zero3", "--optim", "sgd", "--checkpointing", "1", "--edit-partitions", "1", "--steps", "8")
     fused = _train(tmp_path, 2, *flags, env=dict(os.environ, TRITON_INTERPRET="1"))
     upstream = _train(tmp_path, 2, *flags, env=upstream_env[1])
     torch.testing.assert_close(torch.tensor(fused["losses"]), torch.tensor(upstream["losses"]), rtol=1e-5, atol=1e-5)

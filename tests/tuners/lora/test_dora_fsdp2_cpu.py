@@ -340,7 +340,7 @@ def test_fsdp2_fused_tiers_under_the_interpreter(tmp_path):
     with the sharded norm give the single process's losses, and after the first step no node tests its magnitude on
     the host: the step hook's one test per step is all (``dora_cache._has_zero`` calls counted per step)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    flags = ("--optim", "sgd", "--checkpointing", "1")
+    flags = ("--optim", "sgd", "--checkpointing", "1", "--steps", "8")  # the interpreter is slow; 8 steps tell
     sharded, single = _train(tmp_path, 2, *flags, env=env), _train(tmp_path, 1, *flags, env=env)
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=1e-5)
     _check_sharded_norm(sharded, single, recompute=True, same_params=True)  # the eval forwards on the fused tiers
@@ -359,7 +359,7 @@ def test_fsdp1_fused_tiers_test_the_magnitudes_once_per_step(tmp_path):
     process's. (Without ``use_orig_params`` a decoder-layer unit cannot hold frozen and trained parameters; PEFT's
     wrap policy makes the magnitudes units of their own, whose forwards take no fused node.)"""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    flags = ("--optim", "sgd", "--checkpointing", "1")
+    flags = ("--optim", "sgd", "--checkpointing", "1", "--steps", "8")  # the interpreter is slow; 8 steps tell
     sharded = _train(tmp_path, 2, *flags, "--engine", "fsdp1", env=env)
     single = _train(tmp_path, 1, *flags, env=env)
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=1e-5)
