@@ -570,14 +570,19 @@ def run(args, argv: list) -> int:
         write_doc(doc, out, places)  # after every launch: a run cut off keeps what finished
     doc["runs"][-1]["wall_s"] = round(time.time() - t_start, 1)
     write_doc(doc, out, places)
-    print_table(doc)
-    print(f"wrote {out}")
-    png = plot(doc, out.with_suffix(".png"))
-    print(f"wrote {png}" if png else "no plot: matplotlib is not installed")
+    report(doc, out)
     if args.headline:
         written = bench_model.write_headline(doc["kind"], headline_values(doc), Path(args.headline))
         print(f"updated {args.headline}: {json.dumps(written)}")
     return 1 if doc["errors"] else 0
+
+
+def report(doc: dict, out: Path) -> None:
+    """The table on stdout and the plot beside the JSON ``out`` just written."""
+    print_table(doc)
+    print(f"wrote {out}")
+    png = plot(doc, out.with_suffix(".png"))
+    print(f"wrote {png}" if png else "no plot: matplotlib is not installed")
 
 
 POOLED_CONFIG = ("engine", "nproc", "device", "shape", "model", "ranks", "impls", "seq", "batch", "precision", "quant",
@@ -651,10 +656,7 @@ def main(argv=None) -> int:
             raise SystemExit("--pool needs --out")
         doc, out = pool_runs(args.pool), Path(args.out)
         write_doc(doc, out, {})
-        print_table(doc)
-        print(f"wrote {out}")
-        png = plot(doc, out.with_suffix(".png"))
-        print(f"wrote {png}" if png else "no plot: matplotlib is not installed")
+        report(doc, out)
         return 0
     return run(args, argv)
 

@@ -616,10 +616,16 @@ class DoraLinearLayer(nn.Module):
         return jobs
 
     def _own_rows(self, weight, lora_A, lora_B, scaling, shards) -> torch.Tensor:
-        """This rank's rows ``[start, stop)`` of the norm (``‖W_p‖²`` kept on its shard of a frozen W)."""
-        if shards.stop == shards.start:
-            return torch.empty(0, device=weight.device, dtype=torch.promote_types(weight.dtype, torch.float32))
+        """This rank's rows ``[start, stop)`` of the norm, from the gathered tensors."""
         w_rows, b_rows = weight[shards.start : shards.stop], lora_B[shards.start : shards.stop]
+        return self._rows_norm(weight, w_rows, lora_A, b_rows, scaling, shards)
+
+    def _rows_norm(self, weight, w_rows, lora_A, b_rows, scaling, shards) -> torch.Tensor:
+        """The norm of this rank's rows ``w_rows`` and ``b_rows`` with the whole ``lora_A`` (``‖W_p‖²`` kept on its
+        shard of a frozen ``weight``): the forward's rows (:meth:`_own_rows`) and the step hook's
+        (:func:`precompute_step_norms`) alike."""
+        if shards.stop == shards.start:
+            return torch.empty(0, device=w_rows.device, dtype=torch.promote_types(w_rows.dtype, torch.float32))
         with dora_norm.eager_norms():  # launched every step (the gathered W and A move): fewer launches first
             w_sq = self._shard_w_sq(weight, w_rows, lora_A, b_rows, shards)
             return factored_row_norm(w_rows, lora_A, b_rows, scaling, w_sq=w_sq)
@@ -1014,12 +1020,10 @@ def precompute_step_norms(optimizer) -> None:
             whole_a = dora_dist.gather_whole_rows(
                 [gathered_dtype(sh, 1) for _, sh, _ in jobs], [sh.gathered[1].shape[0] for _, sh, _ in jobs], group
             )
-            parts = []
-            with dora_norm.eager_norms():  # as ``_own_rows`` computes them
-                for (layer, sh, scaling), lora_A in zip(jobs, whole_a):
-                    w_rows, b_rows = gathered_dtype(sh, 0), gathered_dtype(sh, 2)
-                    w_sq = layer._shard_w_sq(sh.gathered[0], w_rows, lora_A, b_rows, sh)
-                    parts.append(factored_row_norm(w_rows, lora_A, b_rows, scaling, w_sq=w_sq))
+            parts = [
+                layer._rows_norm(sh.gathered[0], gathered_dtype(sh, 0), lora_A, gathered_dtype(sh, 2), scaling, sh)
+                for (layer, sh, scaling), lora_A in zip(jobs, whole_a)
+            ]
             norm_counts["step_norms"] += len(jobs)
             for (layer, sh, scaling), norm in zip(jobs, dora_dist.gather_rows(parts, [sh for _, sh, _ in jobs])):
                 weight, lora_A, lora_B = sh.gathered

@@ -421,8 +421,7 @@ def norm_shards(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor
     if w_group is None or w_group != b_group or weight.dim() != 2 or lora_B.shape[0] != d_out:
         return NormShards(keys, params, gathered, env=env, fsdp_params=fps)
     group, rank, world = w_group
-    chunk = -(-d_out // world)
-    start, stop = min(d_out, rank * chunk), min(d_out, (rank + 1) * chunk)
+    chunk, (start, stop) = -(-d_out // world), own_row_range(d_out, rank, world)
     if keys[0].shape[0] != stop - start or keys[2].shape[0] != stop - start:  # not torch.chunk's rows: the whole norm
         return NormShards(keys, params, gathered, env=env, fsdp_params=fps)
     unit = _deref(_units.get(fps[0]))
