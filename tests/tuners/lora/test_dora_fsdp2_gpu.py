@@ -8,6 +8,8 @@ the same model without FSDP2: the same losses and, with SGD, the same adapter; t
 norm and is kept on the shards (``test_dora_fsdp2_cpu._check_sharded_norm``).
 """
 
+import os
+
 import pytest
 import torch
 from test_dora_fsdp2_cpu import MODULES, _check_sharded_norm, _train
@@ -55,3 +57,23 @@ def test_qdora_fsdp2_on_two_gpus_trains_as_one_gpu(tmp_path):
     for step, counts in enumerate(sharded["counts"]):
         assert counts.get("norm_computed") == counts.get("norm_reused") == MODULES, (step, counts)
         assert counts.get("w_sq_computed", 0) == (MODULES if step == 0 else 0), (step, counts)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_fsdp2_step_norms_on_two_gpus_are_the_forwards_norms(tmp_path):
+    """``PEFT_DORA_STEP_NORMS=1`` on two GPUs (NCCL, the fused tiers, FSDP2's mixed precision): the norms the
+    optimizer-step hook computes from the shards are the ones the forward would have computed, bit for bit (the same
+    losses, adapter and eval logits as without the switch), and after the first step no norm all-gather runs inside
+    a forward (``test_dora_fsdp2_cpu.test_fsdp2_step_norms_are_the_forwards_norms`` on gloo)."""
+    flags = ("--device", "cuda", "--optim", "sgd", "--checkpointing", "1", "--mp", "1")
+    step = _train(tmp_path, 2, *flags, env=dict(os.environ, PEFT_DORA_STEP_NORMS="1"))
+    ahead = _train(tmp_path, 2, *flags)
+    assert step["losses"] == ahead["losses"]
+    for name, value in ahead["adapter"].items():
+        assert torch.equal(step["adapter"][name], value), name
+    for i, counts in enumerate(step["counts"]):
+        gathers, waiting = (MODULES + 1, 0) if i == 0 else (1, MODULES)
+        assert (counts.get("norm_gathers"), counts.get("norm_batched", 0)) == (gathers, waiting), (i, counts)
+        assert counts.get("step_norms") == MODULES and counts.get("step_gathers") == 1, (i, counts)
+    for a, b in zip(step["eval"]["logits"], ahead["eval"]["logits"]):
+        assert torch.equal(a, b)
