@@ -61,6 +61,10 @@ IMPLS = {  # name: (wheel, is our DoRA's package, use_dora)
     "ours_norm_kernel": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_NORM_KERNEL": "1"}},
     # ours with the FSDP2 sharded norms computed in the optimizer-step hook (PEFT_DORA_STEP_NORMS=1, experimental)
     "ours_step_norms": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_STEP_NORMS": "1"}},
+    # ours and LoRA with each process pinned to its own share of the host's cores (multi_gpu_worker.pin_cores): whether
+    # the host-bound steps' spread between launches is the processes' placement
+    "ours_pinned": {"wheel": "ours", "ours": True, "dora": True, "env": {"BENCH_PIN_CORES": "1"}},
+    "lora_pinned": {"wheel": "ours", "ours": True, "dora": False, "env": {"BENCH_PIN_CORES": "1"}},
 }
 DORA = ("ours", "upstream")  # the DoRA impls every summary row names (others: where the run has them)
 REFERENCES = ("single", "norm_check")  # launches of ours that check the run, not timed (job_spec)
@@ -562,7 +566,8 @@ def run(args, argv: list) -> int:
         doc["records"] += result["records"]
         doc["errors"] += result["errors"]
         doc["launches"].append(dict(job, wall_s=result["wall_s"], world=result.get("world"),
-                                    backend=result.get("backend")))  # fmt: skip
+                                    backend=result.get("backend"),
+                                    pinned_cores=result.get("pinned_cores")))  # fmt: skip
         for r in result["records"]:
             if not r["grad_proof"]["ok"]:
                 failed = f"rank {r['rank']}: gradient proof failed {r['grad_proof']['bad_names']}"

@@ -25,6 +25,7 @@ import sys
 import traceback
 import types
 from pathlib import Path
+from typing import Optional
 
 import model_worker as mw
 import torch
@@ -456,10 +457,27 @@ def norm_check(spec: dict, device: torch.device, mesh, world: int, proc: int) ->
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def pin_cores() -> Optional[list]:
+    """``BENCH_PIN_CORES=1``: this process on its own contiguous share of the cores it may run on (one share per local
+    process, by ``LOCAL_RANK``), set before the process group and CUDA start their threads, which inherit it; the
+    cores it got, or None where it is not asked (or the host has fewer cores than processes)."""
+    if os.environ.get("BENCH_PIN_CORES") != "1":
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    local, procs = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    share = len(cores) // procs
+    if share < 1:
+        return None
+    mine = cores[local * share : (local + 1) * share]
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 def setup(spec: dict):
     """Process group (NCCL on GPUs, gloo on CPU), this process's device and the 1-D device mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    spec["pinned_cores"] = pin_cores()
     world, proc = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     cuda = spec["device"].startswith("cuda")
     if cuda:
@@ -474,7 +492,7 @@ def main(spec_path: str) -> int:
     impl, result_path = spec["impl"], Path(spec["result"])
     device, mesh, world, proc = setup(spec)
     result = {"impl": impl["name"], "round": spec["round"], "records": [], "errors": [], "world": world,
-              "backend": dist.get_backend()}  # fmt: skip
+              "backend": dist.get_backend(), "pinned_cores": spec["pinned_cores"]}  # fmt: skip
     try:
         import peft
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -336,3 +337,32 @@ def test_compute_gaps_tells_host_from_collective_waits():
     assert out["waits_by_kernel_ms"]["(nothing ended on another stream)"] == pytest.approx(0.015)
     assert out["host_gaps_by_op_ms"] == {"(no host op)": pytest.approx(0.034)}
     assert profile_multi_gpu.compute_gaps({"traceEvents": []}, steps=1) == {}
+
+
+def test_pinned_impls_put_each_process_on_its_own_share_of_the_cores():
+    """``ours_pinned`` / ``lora_pinned`` set ``BENCH_PIN_CORES=1`` for their workers: each local process runs on its
+    own contiguous share of the cores it was allowed (by ``LOCAL_RANK``), and without the variable nothing is pinned."""
+    assert bench_multi_gpu.IMPLS["ours_pinned"]["env"] == {"BENCH_PIN_CORES": "1"}
+    assert not bench_multi_gpu.IMPLS["lora_pinned"]["dora"]
+    code = (
+        "import json, os, sys; sys.path.insert(0, sys.argv[1]); import multi_gpu_worker as w; "
+        "before = sorted(os.sched_getaffinity(0)); got = w.pin_cores(); "
+        "print(json.dumps([before, got, sorted(os.sched_getaffinity(0))]))"
+    )
+    bench = str(REPO_ROOT / "benchmarks")
+    for local in (0, 1):
+        env = dict(os.environ, BENCH_PIN_CORES="1", LOCAL_RANK=str(local), LOCAL_WORLD_SIZE="2")
+        done = subprocess.run([sys.executable, "-c", code, bench], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        before, got, after = json.loads(done.stdout.splitlines()[-1])
+        if len(before) < 2:
+            assert got is None
+            continue
+        share = len(before) // 2
+        assert got == after == before[local * share : (local + 1) * share]
+    # unset: nothing pinned
+    env = {k: v for k, v in os.environ.items() if k != "BENCH_PIN_CORES"}
+    done = subprocess.run([sys.executable, "-c", code, bench], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, got, after = json.loads(done.stdout.splitlines()[-1])
+    assert got is None and after == before
