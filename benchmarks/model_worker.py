@@ -23,6 +23,7 @@ import time
 import traceback
 import zlib
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -353,6 +354,7 @@ def measure(fn, device, warmup: int, repeats: int, before=None, after=None) -> d
         torch.cuda.reset_peak_memory_stats()
     timer, samples, issue = Timer(device), [], []
     counts0 = tier_counts()
+    alloc0 = allocator_counts(device)
     for _ in range(repeats):
         if before:
             before()
@@ -370,7 +372,24 @@ def measure(fn, device, warmup: int, repeats: int, before=None, after=None) -> d
     out["static_mb"] = None if static is None else static / 2**20
     out["tiers"] = tiers
     out["host_issue_median_ms"] = statistics.median(issue) if issue else None
+    alloc1 = allocator_counts(device)
+    out["allocator_per_call"] = (
+        None if alloc0 is None or not repeats else {k: (alloc1[k] - v) / repeats for k, v in alloc0.items()}
+    )
     return out
+
+
+ALLOCATOR_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_counts(device) -> Optional[dict]:
+    """The CUDA caching allocator's cumulative counts of ``cudaMalloc`` and ``cudaFree`` calls, retries after a failed
+    allocation (each frees cached blocks and synchronizes) and whole-device syncs: host stalls a step's issue time can
+    hide; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {k: stats.get(k, 0) for k in ALLOCATOR_KEYS}
 
 
 def compiled_call(model, compile_mode):

@@ -398,7 +398,8 @@ def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, pr
                peak_delta_mb=None if None in peaks else max(peaks), tiers=out["tiers"],
                norm_counts=counts if norm_counts is not None else None,
                local_ms_per_rank=_gather(out["median_ms"]),
-               host_issue_ms_per_rank=_gather(out["host_issue_median_ms"]))  # fmt: skip
+               host_issue_ms_per_rank=_gather(out["host_issue_median_ms"]),
+               allocator_per_step_per_rank=_gather(out["allocator_per_call"]))  # fmt: skip
     if meta_sharded(spec):  # build_sharded's frozen base, which every implementation trained: the same values in each
         frozen = [_local(p).double().sum() for p in model.parameters() if not p.requires_grad]
         total = torch.stack(frozen).sum()

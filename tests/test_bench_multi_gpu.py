@@ -199,6 +199,7 @@ def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
         world = 1 if r["impl"] == "single" else 2
         assert len(r["host_issue_ms_per_rank"]) == world and all(0 < t for t in r["host_issue_ms_per_rank"])
         assert min(r["host_issue_ms_per_rank"]) <= 1.5 * max(r["local_ms_per_rank"])
+        assert r["allocator_per_step_per_rank"] == [None] * world  # the CUDA allocator's counts: none on CPU
     ours = next(r for r in doc["records"] if r["impl"] == "ours")
     assert len(ours["norm_counts"]) == 3 and ours["norm_counts"][0].get("norm_computed") == 14
     # PEFT_DORA_SHARDED_NORM=0 reaches its workers (and only theirs): the whole norm, no all-gather, the same losses
