@@ -61,11 +61,13 @@ def test_qdora_fsdp2_on_two_gpus_trains_as_one_gpu(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_fsdp2_step_norms_on_two_gpus_are_the_forwards_norms(tmp_path):
-    """``PEFT_DORA_STEP_NORMS=1`` on two GPUs (NCCL, the fused tiers, FSDP2's mixed precision): the norms the
-    optimizer-step hook computes from the shards are the ones the forward would have computed, bit for bit (the same
-    losses, adapter and eval logits as without the switch), and after the first step no norm all-gather runs inside
-    a forward (``test_dora_fsdp2_cpu.test_fsdp2_step_norms_are_the_forwards_norms`` on gloo)."""
-    flags = ("--device", "cuda", "--optim", "sgd", "--checkpointing", "1", "--mp", "1")
+    """``PEFT_DORA_STEP_NORMS=1`` on two GPUs (NCCL, the fused tiers): the norms the optimizer-step hook computes from
+    the shards are the ones the forward would have computed, bit for bit (the same losses, adapter and eval logits as
+    without the switch), and after the first step no norm all-gather runs inside a forward
+    (``test_dora_fsdp2_cpu.test_fsdp2_step_norms_are_the_forwards_norms`` on gloo, with FSDP2's mixed precision, whose
+    casts this test also passed on two H200s at 3343ed5). The run without the switch is
+    ``test_fsdp2_on_gpus_trains_as_without_fsdp[sgd-0]``'s two-process run, launched once per session."""
+    flags = ("--device", "cuda", "--optim", "sgd", "--reshard", "0", "--checkpointing", "1")
     step = _train(tmp_path, 2, *flags, env=dict(os.environ, PEFT_DORA_STEP_NORMS="1"))
     ahead = _train(tmp_path, 2, *flags)
     assert step["losses"] == ahead["losses"]
