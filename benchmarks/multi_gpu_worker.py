@@ -478,7 +478,6 @@ def setup(spec: dict):
     """Process group (NCCL on GPUs, gloo on CPU), this process's device and the 1-D device mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    spec["pinned_cores"] = pin_cores()
     world, proc = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     cuda = spec["device"].startswith("cuda")
     if cuda:
@@ -491,9 +490,10 @@ def setup(spec: dict):
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     impl, result_path = spec["impl"], Path(spec["result"])
+    pinned = pin_cores()  # before the process group and CUDA start their threads
     device, mesh, world, proc = setup(spec)
     result = {"impl": impl["name"], "round": spec["round"], "records": [], "errors": [], "world": world,
-              "backend": dist.get_backend(), "pinned_cores": spec["pinned_cores"]}  # fmt: skip
+              "backend": dist.get_backend(), "pinned_cores": pinned}  # fmt: skip
     try:
         import peft
 

@@ -351,19 +351,20 @@ def test_pinned_impls_put_each_process_on_its_own_share_of_the_cores():
         "print(json.dumps([before, got, sorted(os.sched_getaffinity(0))]))"
     )
     bench = str(REPO_ROOT / "benchmarks")
-    for local in (0, 1):
-        env = dict(os.environ, BENCH_PIN_CORES="1", LOCAL_RANK=str(local), LOCAL_WORLD_SIZE="2")
-        done = subprocess.run([sys.executable, "-c", code, bench], capture_output=True, text=True, env=env, timeout=300)
+
+    def affinity(**pin) -> tuple:  # (cores before, pin_cores()'s answer, cores after) of a fresh process
+        env = {k: v for k, v in os.environ.items() if k != "BENCH_PIN_CORES"}
+        done = subprocess.run([sys.executable, "-c", code, bench], capture_output=True, text=True,
+                              env=dict(env, **pin), timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
-        before, got, after = json.loads(done.stdout.splitlines()[-1])
+        return json.loads(done.stdout.splitlines()[-1])
+
+    for local in (0, 1):
+        before, got, after = affinity(BENCH_PIN_CORES="1", LOCAL_RANK=str(local), LOCAL_WORLD_SIZE="2")
         if len(before) < 2:
             assert got is None
             continue
         share = len(before) // 2
         assert got == after == before[local * share : (local + 1) * share]
-    # unset: nothing pinned
-    env = {k: v for k, v in os.environ.items() if k != "BENCH_PIN_CORES"}
-    done = subprocess.run([sys.executable, "-c", code, bench], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    before, got, after = json.loads(done.stdout.splitlines()[-1])
+    before, got, after = affinity()  # unset: nothing pinned
     assert got is None and after == before

@@ -413,7 +413,13 @@ def test_fsdp2_step_norms_are_the_forwards_norms(tmp_path):
     no norm all-gather inside a forward after the first step, and the edits between eval forwards still seen (the
     waiting norm is keyed on the shards' versions as the forward's own). Under mixed precision, where the hook casts
     the shards as FSDP2's gathers do; all-fp32 shards (no cast) in the resume test's ``fsdp2-step``."""
-    flags = ("--optim", "sgd", "--checkpointing", "1", "--mp", "1")
+    _check_step_norms(tmp_path, "--optim", "sgd", "--checkpointing", "1", "--mp", "1")
+
+
+def _check_step_norms(tmp_path, *flags: str) -> None:
+    """Two processes trained with ``PEFT_DORA_STEP_NORMS=1`` and without it (otherwise ``flags``): the same losses,
+    trained adapter and eval logits bit for bit, the hook's all-gathers in every step and none in a forward after the
+    first (``test_dora_fsdp2_gpu`` runs the same on two GPUs)."""
     step = _train(tmp_path, 2, *flags, env=dict(os.environ, PEFT_DORA_STEP_NORMS="1"))
     ahead = _train(tmp_path, 2, *flags)
     assert step["losses"] == ahead["losses"]

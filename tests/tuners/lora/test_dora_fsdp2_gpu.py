@@ -8,11 +8,9 @@ the same model without FSDP2: the same losses and, with SGD, the same adapter; t
 norm and is kept on the shards (``test_dora_fsdp2_cpu._check_sharded_norm``).
 """
 
-import os
-
 import pytest
 import torch
-from test_dora_fsdp2_cpu import MODULES, _check_sharded_norm, _train
+from test_dora_fsdp2_cpu import MODULES, _check_sharded_norm, _check_step_norms, _train
 
 
 pytestmark = pytest.mark.gpu
@@ -67,15 +65,4 @@ def test_fsdp2_step_norms_on_two_gpus_are_the_forwards_norms(tmp_path):
     (``test_dora_fsdp2_cpu.test_fsdp2_step_norms_are_the_forwards_norms`` on gloo, with FSDP2's mixed precision, whose
     casts this test also passed on two H200s at 3343ed5). The run without the switch is
     ``test_fsdp2_on_gpus_trains_as_without_fsdp[sgd-0]``'s two-process run, launched once per session."""
-    flags = ("--device", "cuda", "--optim", "sgd", "--reshard", "0", "--checkpointing", "1")
-    step = _train(tmp_path, 2, *flags, env=dict(os.environ, PEFT_DORA_STEP_NORMS="1"))
-    ahead = _train(tmp_path, 2, *flags)
-    assert step["losses"] == ahead["losses"]
-    for name, value in ahead["adapter"].items():
-        assert torch.equal(step["adapter"][name], value), name
-    for i, counts in enumerate(step["counts"]):
-        gathers, waiting = (MODULES + 1, 0) if i == 0 else (1, MODULES)
-        assert (counts.get("norm_gathers"), counts.get("norm_batched", 0)) == (gathers, waiting), (i, counts)
-        assert counts.get("step_norms") == MODULES and counts.get("step_gathers") == 1, (i, counts)
-    for a, b in zip(step["eval"]["logits"], ahead["eval"]["logits"]):
-        assert torch.equal(a, b)
+    _check_step_norms(tmp_path, "--device", "cuda", "--optim", "sgd", "--reshard", "0", "--checkpointing", "1")
