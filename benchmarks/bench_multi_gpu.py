@@ -61,6 +61,9 @@ IMPLS = {  # name: (wheel, is our DoRA's package, use_dora)
     "ours_norm_kernel": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_NORM_KERNEL": "1"}},
     # ours with the FSDP2 sharded norms computed in the optimizer-step hook (PEFT_DORA_STEP_NORMS=1, experimental)
     "ours_step_norms": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_STEP_NORMS": "1"}},
+    # ours without CUDA graphs for the norms (PEFT_DORA_NORM_GRAPH=0): under FSDP2 each layer launches its own rows
+    # of the sharded norm, where by default one graph per unit computes them all (DoraLinearLayer._unit_rows_graphed)
+    "ours_norm_graph_off": {"wheel": "ours", "ours": True, "dora": True, "env": {"PEFT_DORA_NORM_GRAPH": "0"}},
     # ours and LoRA with each process pinned to its own share of the host's cores (multi_gpu_worker.pin_cores): whether
     # the host-bound steps' spread between launches is the processes' placement
     "ours_pinned": {"wheel": "ours", "ours": True, "dora": True, "env": {"BENCH_PIN_CORES": "1"}},

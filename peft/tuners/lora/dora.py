@@ -70,6 +70,7 @@ from .dora_dispatch import (
     wider_result,
 )
 from .dora_dispatch import tier_counts as tier_counts  # public here, as documented
+from .dora_graph import NormGraph
 from .dora_graph import graph_counts as graph_counts  # public here, as documented
 from .dora_launch import device_switch
 from .dora_norm import compiled_weight_norm, eps_for, factored_conv_norm, magnitude_scale, reuse_mode, row_sq_norm
@@ -586,8 +587,9 @@ class DoraLinearLayer(nn.Module):
             jobs = [(self, weight, lora_A, lora_B, scaling, shards, extra)]
             if shards.unit is not None:
                 jobs += self._unit_followers(weight, lora_A, lora_B, scaling, shards)
-            parts = [layer._own_rows(*job[:5]) for layer, *job in jobs]
-            norms = dora_dist.gather_rows(parts, [job[5] for job in jobs])
+            send = self._unit_rows_graphed(jobs)
+            parts = None if send is not None else [layer._own_rows(*job[:5]) for layer, *job in jobs]
+            norms = dora_dist.gather_rows(parts, [job[5] for job in jobs], send=send)
             for (layer, *_, sh, ex), norm in zip(jobs[1:], norms[1:]):
                 layer._reuse.batched.put(sh.keys, norm, ex)
             return norms[0]
@@ -614,6 +616,76 @@ class DoraLinearLayer(nn.Module):
                 continue
             jobs.append((layer, w, a, b, s, sh, ex))
         return jobs
+
+    def _unit_rows_graphed(self, jobs: list) -> Optional[torch.Tensor]:
+        """This rank's rows of every norm of ``jobs`` (:meth:`_sharded_norm`'s: this layer first, then the followers
+        in its unit) as the row all-gather's send buffer (``dora_dist.send_rows``), from one CUDA graph for all of
+        them (kept in this layer's ``LayerReuse.unit_rows``), or None where it does not apply: then each layer
+        launches its own rows (:meth:`_own_rows`), several launches and their Python per layer and forward.
+
+        A graph reads fixed addresses, and FSDP2 gathers W, A and B anew for every forward, often elsewhere. The rows
+        a rank computes are its local shards of W and B, though (the sharded parameters' local tensors: one storage
+        for the run, updated in place by the optimizer), which FSDP2's all-gather has just sent in the gathered dtype
+        (cast as its mixed precision casts them, here inside the graph); A, needed whole, is copied from the gathered
+        tensor into buffers the graph reads (one ``_foreach_copy_`` per unit). The same kernels as the launched rows
+        (``dora_norm.eager_norms``), so the same bits. Only in training forwards, which FSDP2 gathers for (an
+        edit of a gathered copy between forwards, with ``reshard_after_forward=False``, would not be in the shards),
+        for plain local shards of the rows' shapes, where ``dora_norm.norm_graph_applies`` (CUDA, the graph settings,
+        no capture or compile). The graph is keyed on the shards, the buffers and each kept ``‖W_p‖²`` (objects,
+        addresses, layouts), the scalings, the gathered dtypes, the row ranges and the settings: a change of any
+        computes eagerly and captures again at the next forward that repeats it."""
+        if not (self.training and torch.is_grad_enabled()):
+            return None
+        for _, weight, lora_A, lora_B, _, shards, _ in jobs:
+            w_local, b_local, rows = shards.keys[0], shards.keys[2], shards.stop - shards.start
+            if (
+                rows <= 0 or type(weight) is dora_quant.QuantizedWeight
+                or type(w_local) is not torch.Tensor or type(b_local) is not torch.Tensor
+                or w_local.shape != (rows, weight.shape[1]) or b_local.shape != (rows, lora_B.shape[1])
+            ):  # fmt: skip
+                return None
+        lead = jobs[0][5]
+        if not dora_norm.norm_graph_applies(lead.keys[0], jobs[0][2], lead.keys[2]):
+            return None
+        lora_As = [job[2] for job in jobs]
+        kept = self._reuse.unit_rows
+        if kept is None or len(kept[1]) != len(lora_As) or any(
+            b.shape != a.shape or b.dtype != a.dtype or b.device != a.device for b, a in zip(kept[1], lora_As)
+        ):  # fmt: skip
+            buffers = [torch.empty_like(a, requires_grad=False) for a in lora_As]
+            kept = self._reuse.unit_rows = (NormGraph(), buffers)
+        graph, buffers = kept
+        with torch.no_grad():
+            torch._foreach_copy_(buffers, lora_As)
+        with dora_norm.eager_norms():  # as _rows_norm keeps it: the launched rows' kernels, the same bits
+            w_sqs = [
+                layer._shard_w_sq(w, w[sh.start : sh.stop], a, b[sh.start : sh.stop], sh)
+                for layer, w, a, b, _, sh, _ in jobs
+            ]
+        operands = [
+            (sh.keys[0], buffer, sh.keys[2], w.dtype, b.dtype, float(s), w_sq)
+            for (_, w, _, b, s, sh, _), buffer, w_sq in zip(jobs, buffers, w_sqs)
+        ]
+        chunks = [job[5].chunk for job in jobs]
+
+        def compute() -> torch.Tensor:
+            parts = []
+            with dora_norm.eager_norms():
+                for w_local, buffer, b_local, w_dtype, b_dtype, scale, w_sq in operands:
+                    w_rows = w_local if w_local.dtype == w_dtype else w_local.to(w_dtype)
+                    b_rows = b_local if b_local.dtype == b_dtype else b_local.to(b_dtype)
+                    parts.append(factored_row_norm(w_rows, buffer, b_rows, scale, w_sq=w_sq))
+            return dora_dist.send_rows(parts, chunks)
+
+        tensors = tuple(t for op in operands for t in (op[0], op[1], op[2], *(() if op[6] is None else (op[6],))))
+        extra = (
+            tuple((op[3], op[4], op[5], op[6] is None) for op in operands),
+            tuple((job[5].start, job[5].stop, job[5].chunk) for job in jobs),
+            dora_settings.current(),
+            get_dora_norm_threshold_bytes(),
+        )
+        graph_counts["unit_rows"] += 1
+        return graph.run(tensors, extra, compute)
 
     def _own_rows(self, weight, lora_A, lora_B, scaling, shards) -> torch.Tensor:
         """This rank's rows ``[start, stop)`` of the norm, from the gathered tensors."""

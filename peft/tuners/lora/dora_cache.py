@@ -387,13 +387,16 @@ class LayerReuse:
     ``one_pass_cached``: the two made under ``DoraCaching`` (:meth:`eval_records`). ``decode_record``: the latest
     decode-tier eval forward, ``(SmallRecord, DecodePlan)``: the next decode steps with the same tensors, state and
     rows' layout run that plan after the record's checks, ahead of all of the above; ``decode_record_cached``: the
-    one made under ``DoraCaching`` (:meth:`decode_records`).
+    one made under ``DoraCaching`` (:meth:`decode_records`). ``unit_rows``: under FSDP2, where this layer leads its
+    unit's row norms, ``(NormGraph, A buffers)``: one CUDA graph for the rows of all of them (``DoraLinearLayer.
+    _unit_rows_graphed``).
     ``clear`` forgets all of it; copies and pickles of a layer start empty.
     """
 
     __slots__ = (
         "norm", "w_sq", "scale", "factors", "rows", "scaled_b", "graph", "decode", "zero_free", "batched", "record",
         "small", "one_pass", "small_cached", "one_pass_cached", "shards", "decode_record", "decode_record_cached",
+        "unit_rows",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -404,6 +407,7 @@ class LayerReuse:
         self.decode = self.record = self.scaled_b = self.shards = None
         self.small = self.one_pass = self.small_cached = self.one_pass_cached = None
         self.decode_record = self.decode_record_cached = None
+        self.unit_rows = None
 
     def eval_records(self, caching: bool) -> tuple:
         """(small, one-pass) eval records kept for ``DoraCaching`` on (``caching``) or off: a pair each, so forwards
@@ -433,6 +437,7 @@ class LayerReuse:
         self.decode_record = self.decode_record_cached = None
         if graph:
             self.graph.clear()
+            self.unit_rows = None
 
     def __deepcopy__(self, memo):
         return LayerReuse()

@@ -430,24 +430,32 @@ def norm_shards(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor
 
 
 @torch.no_grad()
-def gather_rows(parts: list, shards: list) -> list:
+def send_rows(parts: list, chunks: list) -> torch.Tensor:
+    """What this rank sends in :func:`gather_rows`: its rows of each norm (``parts``) one after the other, each padded
+    to its ``chunk``."""
+    if all(part.shape[0] == chunk for part, chunk in zip(parts, chunks)):
+        return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+    send, offset = parts[0].new_zeros(sum(chunks)), 0
+    for part, chunk in zip(parts, chunks):
+        send[offset : offset + part.shape[0]].copy_(part)
+        offset += chunk
+    return send
+
+
+def gather_rows(parts: Optional[list], shards: list, send: Optional[torch.Tensor] = None) -> list:
     """The whole [d_out] norms of some DoRA Linears from every rank's rows (``parts``: this rank's, ``stop - start``
-    of each, all of one dtype; ``shards``: their :class:`NormShards`, all on one group) in one all-gather of
-    ``sum(chunk)`` floats per rank (the last ranks' rows padded)."""
+    of each, all of one dtype, or ``send``: :func:`send_rows` of them, made already; ``shards``: their
+    :class:`NormShards`, all on one group) in one all-gather of ``sum(chunk)`` floats per rank (the last ranks' rows
+    padded)."""
     group = shards[0].group
     world = dist.get_world_size(group)
     chunks = [s.chunk for s in shards]
-    if all(part.shape[0] == chunk for part, chunk in zip(parts, chunks)):
-        send = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-    else:
-        send, offset = parts[0].new_zeros(sum(chunks)), 0
-        for part, chunk in zip(parts, chunks):
-            send[offset : offset + part.shape[0]].copy_(part)
-            offset += chunk
+    if send is None:
+        send = send_rows(parts, chunks)
     out = send.new_empty(world * send.shape[0])
     dist.all_gather_into_tensor(out, send, group=group)
     norm_counts["norm_gathers"] += 1
-    if len(parts) == 1:
+    if len(shards) == 1:
         return [out[: shards[0].d_out]]
     # [world, chunk] each: rank p's rows of every norm in row p, made contiguous by one kernel for all of them (as
     # FSDP2 unpacks its own all-gathers), not one copy per norm

@@ -50,7 +50,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 graph_counts: collections.Counter = collections.Counter()
 """Norm graphs ``captured``, ``replayed`` and ``failed`` (a capture that raised; that key then stays eager), and
 ``batch_replayed``: launches of a compiled forward's one graph for all its training norms (``dora_norm._BatchGraph``,
-each also counted as ``replayed``)."""
+each also counted as ``replayed``), and ``unit_rows``: calls of an FSDP2 unit's graph for its rank's rows of the norms
+(``DoraLinearLayer._unit_rows_graphed``: its replays are counted as ``replayed``)."""
 
 _pools: dict = {}  # device index -> (memory pool handle shared by every norm graph there, the graphs that use it)
 _streams: dict = {}  # device index -> side stream that captures run on (capture cannot use the default stream)

@@ -228,7 +228,7 @@ def main() -> int:
         edit = bool(args.edit_partitions and step % 2)
         count_syncs = args.device == "cuda" and step > 0  # step 0 sets up caches, kernels
         losses.append(train_step(data[step], count_syncs, edit))
-        counts.append(dict(norm_counts, zero_tests=zero_tests["calls"], **_tiers()))
+        counts.append(dict(norm_counts, zero_tests=zero_tests["calls"], **_tiers(), **_unit_rows()))
     from peft import get_peft_model_state_dict
 
     with _gathered(list(model.parameters())):  # ZeRO-3's partitions gathered (FSDP's DTensors: full_tensor)
@@ -341,6 +341,18 @@ def _tiers() -> dict:
         return {}
     out = {f"tier_{k}": v for k, v in tiers.items()}
     tiers.clear()
+    return out
+
+
+def _unit_rows() -> dict:
+    """Our DoRA's FSDP2 unit-row graph calls and norm-graph replays since the last call (none under upstream)."""
+    from peft.tuners.lora import dora
+
+    graphs = getattr(dora, "graph_counts", None)
+    if graphs is None:
+        return {}
+    out = {"unit_rows": graphs["unit_rows"], "graph_replayed": graphs["replayed"]}
+    graphs.clear()
     return out
 
 

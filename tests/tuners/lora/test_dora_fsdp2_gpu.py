@@ -28,6 +28,11 @@ def test_fsdp2_on_gpus_trains_as_without_fsdp(tmp_path, optim, reshard):
         assert run["fsdp"] and run["world"] == procs
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=1e-5)
         _check_sharded_norm(run, plain, recompute=True, same_params=optim == "sgd")  # through NCCL's all-gather
+        # every unit's rows from its CUDA graph (DoraLinearLayer._unit_rows_graphed) once captured: the losses and
+        # adapter above are those of the updated shards, not of the captured ones
+        for step, counts in enumerate(run["counts"][2:], 2):
+            assert counts["unit_rows"] == counts["norm_gathers"] > 0, (step, counts)
+            assert counts["graph_replayed"] >= counts["unit_rows"], (step, counts)
         if optim == "sgd":
             for name, value in plain["adapter"].items():
                 torch.testing.assert_close(run["adapter"][name], value, rtol=1e-5, atol=1e-6, msg=name)
