@@ -105,11 +105,16 @@ def arguments() -> argparse.ArgumentParser:
     p.add_argument("--quant", choices=("nf4", "fp4"), help="QDoRA: the projections 4-bit (bitsandbytes, fp32 storage)")
     p.add_argument("--mp", type=int, default=0, help="1: FSDP2 MixedPrecisionPolicy(param bf16, reduce fp32)")
     p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (the equality tests take 20)")
+    p.add_argument(
+        "--emulate-graphs", type=int, default=0, help="1 (CPU): norm graphs as on CUDA (_emulate_norm_graphs)"
+    )
     return p
 
 
 def main() -> int:
     args = arguments().parse_args()
+    if args.emulate_graphs:
+        _emulate_norm_graphs()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     fsdp = world > 1 if args.fsdp < 0 else bool(args.fsdp)
@@ -342,6 +347,33 @@ def _tiers() -> dict:
     out = {f"tier_{k}": v for k, v in tiers.items()}
     tiers.clear()
     return out
+
+
+def _emulate_norm_graphs() -> None:
+    """``--emulate-graphs 1``: our norm graphs on a CPU, where ``dora_norm.norm_graph_applies`` says no (CUDA only):
+    it says yes, and a capture keeps the graph's computation, which each replay runs again into the captured output
+    buffer, as a CUDA graph's replay computes from the current values at the same addresses. Under FSDP2 that is the
+    per-unit row graph (``DoraLinearLayer._unit_rows_graphed``): its shard-based rows, casts and padding run on gloo,
+    against the launched rows of the gathered tensors."""
+    from peft.tuners.lora import dora_graph, dora_norm
+
+    class Replay:
+        def __init__(self, compute, out):
+            self.compute, self.out = compute, out
+
+        def replay(self):
+            self.out.copy_(self.compute())
+
+    def capture(self, device, compute):
+        out = compute().clone()
+        self.graph, self.out = Replay(compute, out), out
+        dora_graph.graph_counts["captured"] += 1
+        self.graph.replay()
+        dora_graph.graph_counts["replayed"] += 1
+        return out
+
+    dora_norm.norm_graph_applies = lambda weight, lora_A, lora_B: True
+    dora_graph.NormGraph._capture = capture
 
 
 def _unit_rows() -> dict:

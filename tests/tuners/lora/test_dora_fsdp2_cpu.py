@@ -416,6 +416,27 @@ def test_fsdp2_step_norms_are_the_forwards_norms(tmp_path):
     _check_step_norms(tmp_path, "--optim", "sgd", "--checkpointing", "1", "--mp", "1")
 
 
+def test_fsdp2_unit_row_graph_trains_as_the_launched_rows(tmp_path):
+    """FSDP2's per-unit row graph (``DoraLinearLayer._unit_rows_graphed``) computes every rank's rows of a unit's norms
+    from the local shards of W and B (cast as FSDP2's mixed precision casts them for its all-gather) and a copy of the
+    gathered As, padded into the row all-gather's send buffer, where each layer otherwise launches its rows from the
+    gathered tensors. On CPU, with the graphs emulated (each replay computing again from the captured tensors, as a
+    CUDA graph reads their current values; ``sharded_training_worker._emulate_norm_graphs``): the same losses and
+    trained adapter as the launched rows bit for bit through SGD steps, with every unit's rows from its graph from
+    the third step on (the first computes them eagerly, the second captures); odd row counts pad the last rank's
+    rows."""
+    flags = ("--optim", "sgd", "--checkpointing", "1", "--mp", "1")
+    graphed, launched = _train(tmp_path, 2, *flags, "--emulate-graphs", "1"), _train(tmp_path, 2, *flags)
+    assert graphed["losses"] == launched["losses"]
+    assert sorted(graphed["adapter"]) == sorted(launched["adapter"])
+    for name, value in graphed["adapter"].items():
+        assert torch.equal(value, launched["adapter"][name]), name
+    assert not any(c.get("unit_rows") for c in launched["counts"])
+    for step, counts in enumerate(graphed["counts"][2:], 2):
+        assert counts["unit_rows"] == counts["norm_gathers"] == LAYERS, (step, counts)
+        assert counts["graph_replayed"] == counts["unit_rows"], (step, counts)
+
+
 def _check_step_norms(tmp_path, *flags: str) -> None:
     """Two processes trained with ``PEFT_DORA_STEP_NORMS=1`` and without it (otherwise ``flags``): the same losses,
     trained adapter and eval logits bit for bit, the hook's all-gathers in every step and none in a forward after the
