@@ -662,24 +662,24 @@ class DoraLinearLayer(nn.Module):
                 layer._shard_w_sq(w, w[sh.start : sh.stop], a, b[sh.start : sh.stop], sh)
                 for layer, w, a, b, _, sh, _ in jobs
             ]
-        operands = [
-            (sh.keys[0], buffer, sh.keys[2], w.dtype, b.dtype, float(s), w_sq)
-            for (_, w, _, b, s, sh, _), buffer, w_sq in zip(jobs, buffers, w_sqs)
-        ]
+        operands = [(sh, buffer, float(s), w_sq) for (*_, s, sh, _), buffer, w_sq in zip(jobs, buffers, w_sqs)]
         chunks = [job[5].chunk for job in jobs]
 
         def compute() -> torch.Tensor:
-            parts = []
             with dora_norm.eager_norms():
-                for w_local, buffer, b_local, w_dtype, b_dtype, scale, w_sq in operands:
-                    w_rows = w_local if w_local.dtype == w_dtype else w_local.to(w_dtype)
-                    b_rows = b_local if b_local.dtype == b_dtype else b_local.to(b_dtype)
-                    parts.append(factored_row_norm(w_rows, buffer, b_rows, scale, w_sq=w_sq))
+                parts = [
+                    factored_row_norm(sh.local_as_gathered(0), buffer, sh.local_as_gathered(2), scale, w_sq=w_sq)
+                    for sh, buffer, scale, w_sq in operands
+                ]
             return dora_dist.send_rows(parts, chunks)
 
-        tensors = tuple(t for op in operands for t in (op[0], op[1], op[2], *(() if op[6] is None else (op[6],))))
+        tensors = tuple(
+            t
+            for sh, buffer, _, w_sq in operands
+            for t in (sh.keys[0], buffer, sh.keys[2], *(() if w_sq is None else (w_sq,)))
+        )
         extra = (
-            tuple((op[3], op[4], op[5], op[6] is None) for op in operands),
+            tuple((sh.gathered[0].dtype, sh.gathered[2].dtype, scale, w_sq is None) for sh, _, scale, w_sq in operands),
             tuple((job[5].start, job[5].stop, job[5].chunk) for job in jobs),
             dora_settings.current(),
             get_dora_norm_threshold_bytes(),
@@ -1083,17 +1083,13 @@ def precompute_step_norms(optimizer) -> None:
             continue
         groups.setdefault(id(shards.group), (shards.group, []))[1].append((layer, shards, scaling))
 
-    def gathered_dtype(shards, i: int) -> torch.Tensor:
-        local, dtype = shards.keys[i], shards.gathered[i].dtype  # FSDP2's mixed precision gathers in param_dtype
-        return local if local.dtype == dtype else local.to(dtype)
-
     with torch.no_grad():
         for group, jobs in groups.values():
             whole_a = dora_dist.gather_whole_rows(
-                [gathered_dtype(sh, 1) for _, sh, _ in jobs], [sh.gathered[1].shape[0] for _, sh, _ in jobs], group
+                [sh.local_as_gathered(1) for _, sh, _ in jobs], [sh.gathered[1].shape[0] for _, sh, _ in jobs], group
             )
             parts = [
-                layer._rows_norm(sh.gathered[0], gathered_dtype(sh, 0), lora_A, gathered_dtype(sh, 2), scaling, sh)
+                layer._rows_norm(sh.gathered[0], sh.local_as_gathered(0), lora_A, sh.local_as_gathered(2), scaling, sh)
                 for (layer, sh, scaling), lora_A in zip(jobs, whole_a)
             ]
             norm_counts["step_norms"] += len(jobs)

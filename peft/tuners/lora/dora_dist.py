@@ -100,6 +100,13 @@ class NormShards:
             for fp, p, k in zip(self.fsdp_params, self.params, self.keys)
         )
 
+    def local_as_gathered(self, i: int) -> torch.Tensor:
+        """The rank's local shard of W (0), A (1) or B (2) in its gathered copy's dtype, as FSDP2's mixed precision
+        casts it for the all-gather (the shard itself where the dtypes agree): the values of its rows in the gathered
+        tensor."""
+        local, dtype = self.keys[i], self.gathered[i].dtype
+        return local if local.dtype == dtype else local.to(dtype)
+
     @property
     def d_out(self) -> int:
         """The norm's length: W's rows."""
