@@ -8,7 +8,9 @@ one; the tensors are small, so the time is the host's. ``--tiers fused`` runs th
 autograd nodes, launch arguments) with every Triton launch replaced by a no-op (``TRITON_INTERPRET=1``, so the
 tiers are chosen as on a GPU; outputs are not computed); ``--tiers eager`` runs the PyTorch tiers. ``--measure
 train`` times a training step (forward under non-reentrant checkpointing unless ``--no-checkpointing``, backward,
-AdamW), ``eval`` an eval forward without autograd; ``--autocast`` keeps the adapters in fp32 beside a ``--dtype``
+AdamW), ``train-forward`` only that step's forward (under the same checkpointing; the graph it records is freed
+unused), so that ``train`` less ``train-forward`` is the backward's and the optimizer's part, ``eval`` an eval forward
+without autograd; ``--autocast`` keeps the adapters in fp32 beside a ``--dtype``
 base and runs the step under bf16 autocast (the grid's autocast mode; the QLoRA recipe on NF4). LoRA and DoRA
 alternate in one process, ``--rounds`` rounds of ``--calls`` calls; the record keeps each round and the medians in µs
 per module, DoRA's extra over LoRA's, the ATen ops one call dispatches per module (a count that does not drift with
@@ -138,6 +140,12 @@ def _bare_step_fn(args, model):
     from torch.utils.checkpoint import checkpoint
 
     model.train()
+    if args.measure == "train-forward":
+
+        def forward_only(x):
+            checkpoint(model, x, use_reentrant=False) if args.checkpointing else model(x)
+
+        return forward_only
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
     dora = any(hasattr(m, "lora_magnitude_vector") and len(m.lora_magnitude_vector) for m in model.modules())
     optimizer_step = opt.step if dora else _without_dora_step_hook(opt.step)
@@ -151,6 +159,17 @@ def _bare_step_fn(args, model):
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+def _null_step(model, dora: bool):
+    """An optimizer step that changes no value (SGD, learning rate 0, zero gradients): it updates every trainable
+    tensor in place, so each version counter moves as in a training step, and DoRA's optimizer-step hook runs after
+    it (the magnitudes' zero test, the epoch) for the DoRA model only (see :func:`_without_dora_step_hook`)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.SGD(params, lr=0.0, foreach=True)
+    return opt.step if dora else _without_dora_step_hook(opt.step)
 
 
 def _without_dora_step_hook(optimizer_step):
@@ -223,14 +242,24 @@ def run(args) -> dict:
     if args.probe == "norm-once":
         _norm_once()
     torch.set_num_threads(1)
-    fns = {kind: _step_fn(args, build(args, kind == "dora")) for kind in ("lora", "dora")}
-    x = torch.randn(args.tokens, args.dim, dtype=args.dtype, requires_grad=args.measure == "train")
+    models = {kind: build(args, kind == "dora") for kind in ("lora", "dora")}
+    fns = {kind: _step_fn(args, model) for kind, model in models.items()}
+    # a forward alone follows no optimizer step: one that changes nothing runs between calls, untimed, so that the
+    # versions move and DoRA's step hook runs as in every training step (the norm is computed again)
+    before = None
+    if args.measure == "train-forward":
+        before = {kind: _null_step(model, kind == "dora") for kind, model in models.items()}
+    x = torch.randn(args.tokens, args.dim, dtype=args.dtype, requires_grad=args.measure != "eval")
     for fn in fns.values():  # warm-up: first calls, norm graphs and memos, optimizer state
         for _ in range(3):
             fn(x)
     dora_dispatch.tier_counts.clear()
     dora_graph.graph_counts.clear()
-    rounds, med = alternate(fns, x, args.calls, args.modules, args.rounds)
+    from peft.tuners.lora import dora_cache
+
+    epoch = dora_cache._epoch[0]
+    rounds, med = alternate(fns, x, args.calls, args.modules, args.rounds, before)
+    steps_seen = dora_cache._epoch[0] - epoch
     replays = dora_graph.graph_counts["replayed"]
     ops = {kind: ops_per_module(fn, x, args.modules) for kind, fn in fns.items()}
     return {
@@ -241,6 +270,9 @@ def run(args) -> dict:
         "dora_over_lora": round(med["dora"] / med["lora"], 4),
         "tiers": dict(dora_dispatch.tier_counts),
         "norm_graph_replays": replays,  # with --graphs: one per DoRA module and step (through its record)
+        # optimizer steps DoRA's step hook saw in the timed rounds: the DoRA model's (its training steps, or with
+        # train-forward the null steps between its forwards), none of LoRA's
+        "dora_optimizer_steps_seen": steps_seen,
     }
 
 
@@ -255,7 +287,7 @@ def _env() -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--measure", choices=("train", "eval"), default="train")
+    p.add_argument("--measure", choices=("train", "train-forward", "eval"), default="train")
     p.add_argument("--tiers", choices=("fused", "eager"), default="fused")
     p.add_argument("--base", choices=("plain", "nf4"), default="plain")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",

@@ -61,6 +61,20 @@ def test_graphs_take_the_gpu_norm_path(tmp_path):
     assert doc["aten_ops_per_module"]["dora"] < eager_norms["aten_ops_per_module"]["dora"]
 
 
+def test_train_forward_times_a_training_steps_forward_after_each_step(tmp_path):
+    """``--measure train-forward``: a training forward alone (autograd on, under the step's checkpointing), after an
+    untimed optimizer step that changes no value, so each forward computes its norm again as a training step's does
+    (one norm-graph replay per module and call; a forward repeated without the step would reuse the norm)."""
+    pytest.importorskip("triton")
+    doc = _run(tmp_path, "--measure", "train-forward", "--tiers", "fused", "--graphs")
+    assert set(doc["tiers"]) == {"fused_backward"}, doc["tiers"]
+    assert doc["norm_graph_replays"] == 3 * 2 * doc["config"]["calls"]  # modules x rounds x calls
+    assert doc["dora_optimizer_steps_seen"] == 2 * doc["config"]["calls"]  # one null step before each timed forward
+    step = _run(tmp_path, "--measure", "train", "--tiers", "fused", "--graphs")
+    # the forward alone dispatches a part of the step's ops (no backward, no optimizer)
+    assert doc["aten_ops_per_module"]["dora"] < step["aten_ops_per_module"]["dora"] / 2
+
+
 def test_eager_eval_tiers(tmp_path):
     doc = _run(tmp_path, "--measure", "eval", "--tiers", "eager")
     assert set(doc["tiers"]) == {"eager"}, doc["tiers"]
