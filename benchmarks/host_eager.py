@@ -233,7 +233,7 @@ def first_norm_kept(fresh):
 
 
 def run(args) -> dict:
-    from peft.tuners.lora import dora_dispatch, dora_graph
+    from peft.tuners.lora import dora_cache, dora_dispatch, dora_graph
 
     if args.tiers == "fused":
         _stub_launches()
@@ -245,7 +245,7 @@ def run(args) -> dict:
     models = {kind: build(args, kind == "dora") for kind in ("lora", "dora")}
     fns = {kind: _step_fn(args, model) for kind, model in models.items()}
     # a forward alone follows no optimizer step: one that changes nothing runs between calls, untimed, so that the
-    # versions move and DoRA's step hook runs as in every training step (the norm is computed again)
+    # versions move and DoRA's step hook runs (the magnitudes' zero test, the epoch) as between training steps
     before = None
     if args.measure == "train-forward":
         before = {kind: _null_step(model, kind == "dora") for kind, model in models.items()}
@@ -255,8 +255,6 @@ def run(args) -> dict:
             fn(x)
     dora_dispatch.tier_counts.clear()
     dora_graph.graph_counts.clear()
-    from peft.tuners.lora import dora_cache
-
     epoch = dora_cache._epoch[0]
     rounds, med = alternate(fns, x, args.calls, args.modules, args.rounds, before)
     steps_seen = dora_cache._epoch[0] - epoch

@@ -62,9 +62,9 @@ def test_graphs_take_the_gpu_norm_path(tmp_path):
 
 
 def test_train_forward_times_a_training_steps_forward_after_each_step(tmp_path):
-    """``--measure train-forward``: a training forward alone (autograd on, under the step's checkpointing), after an
-    untimed optimizer step that changes no value, so each forward computes its norm again as a training step's does
-    (one norm-graph replay per module and call; a forward repeated without the step would reuse the norm)."""
+    """``--measure train-forward``: a training forward alone (autograd on, under the step's checkpointing), each after
+    an untimed optimizer step that changes no value, which DoRA's step hook sees as between training steps; each
+    forward replays its norm graph, as a training step's forward does (one replay per module and call)."""
     pytest.importorskip("triton")
     doc = _run(tmp_path, "--measure", "train-forward", "--tiers", "fused", "--graphs")
     assert set(doc["tiers"]) == {"fused_backward"}, doc["tiers"]
