@@ -1,4 +1,4 @@
-"""DoRA under DeepSpeed ZeRO-2 and ZeRO-3 on CPU (its CPU accelerator, gloo, two processes started by ``torchrun``)
+"""DoRA under DeepSpeed ZeRO-2 and ZeRO-3 on CPU (its CPU accelerator, gloo, two processes, ``fork_launcher.py``)
 against upstream PEFT's DoRA under the same engine.
 
 ZeRO-3 partitions every parameter and gathers it on access (its parameter dict does) or around a module's forward,

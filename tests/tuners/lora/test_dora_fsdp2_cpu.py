@@ -1,5 +1,5 @@
-"""DoRA under FSDP2 (and FSDP1) on CPU (gloo, two processes started by ``torchrun``) against the same training
-in one process.
+"""DoRA under FSDP2 (and FSDP1) on CPU (gloo, two processes forked as ``torchrun`` would start them,
+``fork_launcher.py``) against the same training in one process.
 
 FSDP2 shards every parameter row-wise (DTensors) and gathers them for each layer's forward and backward, then frees
 them again (``reshard_after_forward``). Our norm is then the sharded factored norm (``dora_dist``: each rank its own
@@ -11,10 +11,14 @@ trained adapter (A, B and the magnitudes) too, which loads into an unsharded mod
 eager tier runs; the fused tiers, zero test and NCCL are ``test_dora_fsdp2_gpu.py``.
 """
 
+import atexit
+import contextlib
 import functools
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -35,29 +39,31 @@ WORKER = HERE / "sharded_training_worker.py"
 NATIVE_ABORT = "terminate called without an active exception"
 _runs: dict = {}  # the runs of this session by what defines them: tests comparing with the same reference share it
 SINGLE_PROCESS_IGNORES = ("--engine", "--reshard")  # sharding options; one process trains unsharded (no --fsdp 1)
+LAUNCH_TIMEOUT_S = 600
 
 
 def _train(tmp_path: Path, procs: int, *flags: str, env=None) -> dict:
     """The worker's results for ``procs`` processes (``env``: the processes' environment, e.g. upstream's install).
 
-    One launch per distinct run and session. A launch that died of ``NATIVE_ABORT`` alone (a signal, no Python
-    exception in any process) is started once more, with a warning that carries its output; any other failure, and
-    a second abort, fails the test."""
+    One launch per distinct run and session: on CPU through the fork server of ``env`` (:class:`_Server`), on CUDA
+    by ``torchrun``. A launch that died of ``NATIVE_ABORT`` alone (a signal, no Python exception in any process) is
+    started once more, with a warning that carries its output; any other failure, and a second abort, fails the
+    test."""
     pairs = sorted({flags[i : i + 2] for i in range(0, len(flags), 2)} - _defaults())
     unsharded = procs == 1 and ("--fsdp", "1") not in pairs  # no process group (``--fsdp 1``: FSDP2 in one process)
     if unsharded:
         pairs = [pair for pair in pairs if pair[0] not in SINGLE_PROCESS_IGNORES]
     flags = tuple(x for pair in pairs for x in pair)
-    env = dict(os.environ if env is None else env, PYTHONFAULTHANDLER="1")  # an abort prints every thread's stack
+    env = _worker_env(env)
     key = (procs, flags, tuple(sorted(env.items())))
     if key in _runs:
         return _runs[key]
     out = tmp_path / f"run_{procs}_{len(_runs)}.pt"
-    # one unsharded process: the worker itself, without torchrun's agent
-    launcher = [] if unsharded else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
-    cmd = [sys.executable, *launcher, str(WORKER), str(out), *flags]
     for attempt in (1, 2):
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        if ("--device", "cuda") in pairs:
+            run = _torchrun(procs, unsharded, out, flags, env)
+        else:
+            run = _Server.of(env).launch([str(out), *flags], procs, not unsharded, tmp_path / f"logs_{len(_runs)}")
         log = run.stdout[-3000:] + run.stderr[-8000:]
         native_abort = NATIVE_ABORT in run.stderr and "Traceback (most recent call last)" not in _worker_lines(run)
         if run.returncode == 0 or attempt == 2 or not native_abort:
@@ -66,6 +72,79 @@ def _train(tmp_path: Path, procs: int, *flags: str, env=None) -> dict:
     assert run.returncode == 0, log
     _runs[key] = torch.load(out)
     return _runs[key]
+
+
+def _worker_env(env=None) -> dict:
+    """The workers' environment (``os.environ`` by default): an abort prints every thread's stack, and pytest's name of
+    the running test is left out, so that runs and fork servers are shared between tests."""
+    env = dict(os.environ if env is None else env, PYTHONFAULTHANDLER="1")
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return env
+
+
+def _torchrun(procs: int, unsharded: bool, out: Path, flags: tuple, env: dict) -> subprocess.CompletedProcess:
+    # one unsharded process: the worker itself, without torchrun's agent
+    launcher = [] if unsharded else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
+    cmd = [sys.executable, *launcher, str(WORKER), str(out), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
+
+
+class _Server:
+    """A running ``fork_launcher.py`` for one environment: it imported torch, transformers and PEFT once, and forks
+    each launch's processes (an import took ~11 s per process on CI's two cores, most of a launch)."""
+
+    _servers: dict = {}
+
+    def __init__(self, env: dict):
+        self.errors = tempfile.NamedTemporaryFile("w+", prefix="fork_launcher_", suffix=".txt")
+        cmd = [sys.executable, str(HERE / "fork_launcher.py")]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors,
+                                     text=True, env=env)  # fmt: skip
+        self._reply()  # ready: its imports done
+
+    @classmethod
+    def of(cls, env: dict) -> "_Server":
+        key = tuple(sorted(env.items()))
+        server = cls._servers.get(key)
+        if server is None or server.proc.poll() is not None:
+            server = cls._servers[key] = cls(env)
+        return server
+
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(timeout=60)
+            self.errors.seek(0)
+            raise RuntimeError(f"fork_launcher.py ended (exit {self.proc.returncode}):\n{self.errors.read()[-8000:]}")
+        return json.loads(line)
+
+    def launch(self, argv: list, procs: int, dist: bool, logs: Path) -> subprocess.CompletedProcess:
+        request = {"argv": argv, "procs": procs, "dist": dist, "logs": str(logs), "timeout": LAUNCH_TIMEOUT_S}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        texts = {}
+        for name in ("stdout", "stderr"):
+            parts = [f"[rank {r}] " + (logs / f"{name}_{r}.txt").read_text(errors="replace") for r in range(procs)]
+            texts[name] = "\n".join(parts)
+        codes = reply["returncodes"]
+        code = next((c for c in codes if c != 0), 0)
+        if reply["timed_out"]:
+            texts["stderr"] += f"\n(launch timed out after {LAUNCH_TIMEOUT_S} s; return codes {codes})"
+        return subprocess.CompletedProcess(argv, code, texts["stdout"], texts["stderr"])
+
+    @classmethod
+    def close_all(cls) -> None:
+        for server in cls._servers.values():
+            with contextlib.suppress(Exception):
+                server.proc.stdin.close()
+                server.proc.wait(timeout=30)
+            if server.proc.poll() is None:
+                server.proc.kill()
+        cls._servers.clear()
+
+
+atexit.register(_Server.close_all)
 
 
 def _worker_lines(run: subprocess.CompletedProcess) -> str:
@@ -240,6 +319,21 @@ def _adapter_of(model) -> dict:
     from peft import get_peft_model_state_dict
 
     return get_peft_model_state_dict(model)
+
+
+def test_fork_launcher_reports_each_process_and_serves_on(tmp_path):
+    """A launch whose processes fail (here argparse's exit 2 on a bad option) comes back failed with each process's
+    own stderr, and the same server then serves a good launch (its processes get torchrun's variables: a world of
+    two)."""
+    env = _worker_env()
+    server = _Server.of(env)
+    bad = server.launch([str(tmp_path / "bad.pt"), "--engine", "none"], 2, True, tmp_path / "bad")
+    assert bad.returncode == 2 and bad.stderr.count("invalid choice: 'none'") == 2, bad.stderr[-2000:]
+    assert "[rank 0]" in bad.stderr and "[rank 1]" in bad.stderr and not (tmp_path / "bad.pt").exists()
+    assert _Server.of(env) is server and server.proc.poll() is None
+    good = server.launch([str(tmp_path / "good.pt"), "--zero-test", "1"], 2, True, tmp_path / "good")
+    assert good.returncode == 0, good.stderr[-4000:]
+    assert torch.load(tmp_path / "good.pt")["world"] == 2
 
 
 def test_zero_test_prefetch_never_reads_a_freed_parameter():
