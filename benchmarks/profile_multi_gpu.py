@@ -271,10 +271,14 @@ def run_variant(
             name: round(statistics.median(p[i] for p in phases) * 1000.0, 3)
             for i, name in enumerate(("forward", "backward", "optimizer"))
         }
+        # each timed step's host issue time (forward + backward + optimizer), beside its wall time in samples_ms:
+        # whether a slow step is one whose host was late, on this process or another
+        issued = [round(sum(p) * 1000.0, 3) for p in phases]
         hot = python_hotspots(step, calls=2, top=60, under="peft") if pystats else None
         prof = profile_step(step, 2, stack)
         every = [None] * world  # each process's compute-stream gaps: a wait on one is often the host of another
-        dist.all_gather_object(every, {"host_issue_ms": host, "compute_gaps": prof["compute_gaps"], "python": hot})
+        dist.all_gather_object(every, {"host_issue_ms": host, "host_issue_ms_per_step": issued,
+                                       "compute_gaps": prof["compute_gaps"], "python": hot})  # fmt: skip
         if proc == 0:
             out["profile"] = dict(prof, per_process=every)
         model = opt = step = None  # the closure's cells too: the model's memory goes before the next variant
