@@ -1,4 +1,4 @@
-"""A fork server for the CPU runs of ``sharded_training_worker.py``: imports once, forks every launch's processes.
+"""A fork server for the runs of ``sharded_training_worker.py``: imports once, forks every launch's processes.
 
 Each CPU launch of the worker (``torchrun`` with N gloo processes, or one plain process) spent most of its time
 importing torch, transformers, PEFT and DeepSpeed in every process (~11 s each on CI's two cores, for a training run
@@ -10,9 +10,13 @@ launches: for each it forks N processes that run the worker's ``main()`` as ``to
 process when N > 1, as torchrun sets ``OMP_NUM_THREADS``), each with its stdout and stderr in a file of its own.
 
 Nothing but imports runs before the fork: no op has started an intra-op thread pool, no process group exists, and
-the worker's module state is its import-time state in every launch. CUDA runs (the GPU tests) keep ``torchrun``.
+the worker's module state is its import-time state in every launch. A server for CUDA launches (``--cuda``, the GPU
+tests) imports torch and transformers only (on the 2x H200 host 5-7 s and 5-6 s per process; PEFT's 3 s import
+initializes CUDA through bitsandbytes, after which a forked process cannot use CUDA), and first asks a forked child
+whether it can use CUDA: where it cannot, the server says so and the tests launch with ``torchrun``.
 
-Protocol (the test side is ``test_dora_fsdp2_cpu._Server``): one JSON object per line on stdin, ``{"argv": [...],
+Protocol (the test side is ``test_dora_fsdp2_cpu._Server``): the server's first line is ``{"ready": PID, "usable":
+bool}``; then one JSON object per line on stdin, ``{"argv": [...],
 "procs": N, "dist": torchrun's or not, "logs": DIR, "timeout": S}``; one JSON line back on the server's own stdout,
 ``{"returncodes": [...], "timed_out": bool}``, where a process killed by a signal has minus the signal's number, as
 ``subprocess`` reports it. A launch whose process fails gives the others ``GRACE_S`` to end (they may wait in a
@@ -35,8 +39,9 @@ HERE = Path(__file__).resolve().parent
 GRACE_S = 20.0
 
 
-def _warm() -> None:
-    """What every launch imports, imported here once (nothing run)."""
+def _warm(cuda: bool) -> None:
+    """What every launch imports, imported here once (nothing run). For CUDA launches torch and transformers only:
+    PEFT imports bitsandbytes, whose import initializes CUDA, which a forked process cannot use then."""
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
@@ -44,14 +49,30 @@ def _warm() -> None:
     import torch.distributed.tensor  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
 
-    import peft  # noqa: F401
+    if not cuda:
+        import peft  # noqa: F401
 
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        pass
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            pass
     sys.path.insert(0, str(HERE))
     import sharded_training_worker  # noqa: F401
+
+
+def _cuda_forks() -> bool:
+    """Whether a process forked from here can use CUDA (nothing here has initialized it): asked of a forked child."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            import torch
+
+            torch.zeros(1, device="cuda").add_(1).cpu()
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitpid(pid, 0)[1] == 0
 
 
 def _free_port() -> int:
@@ -130,12 +151,13 @@ def launch(argv: list, procs: int, dist: bool, logs: Path, timeout: float) -> di
     return {"returncodes": [codes[r] for r in range(procs)], "timed_out": False}
 
 
-def serve() -> None:
+def serve(cuda: bool) -> None:
     # the protocol's channel is the original stdout; anything the imports or the server print goes to stderr
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
-    _warm()
-    channel.write(json.dumps({"ready": os.getpid()}) + "\n")
+    _warm(cuda)
+    # a CUDA server whose children cannot use CUDA says so: its launches go to torchrun instead
+    channel.write(json.dumps({"ready": os.getpid(), "usable": not cuda or _cuda_forks()}) + "\n")
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -146,4 +168,4 @@ def serve() -> None:
 
 
 if __name__ == "__main__":
-    serve()
+    serve(cuda="--cuda" in sys.argv[1:])

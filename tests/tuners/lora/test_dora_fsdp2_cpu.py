@@ -45,10 +45,10 @@ LAUNCH_TIMEOUT_S = 600
 def _train(tmp_path: Path, procs: int, *flags: str, env=None) -> dict:
     """The worker's results for ``procs`` processes (``env``: the processes' environment, e.g. upstream's install).
 
-    One launch per distinct run and session: on CPU through the fork server of ``env`` (:class:`_Server`), on CUDA
-    by ``torchrun``. A launch that died of ``NATIVE_ABORT`` alone (a signal, no Python exception in any process) is
-    started once more, with a warning that carries its output; any other failure, and a second abort, fails the
-    test."""
+    One launch per distinct run and session, through the fork server of ``env`` (:class:`_Server`; on CUDA, where
+    its forked processes cannot use CUDA, by ``torchrun``). A launch that died of ``NATIVE_ABORT`` alone (a signal,
+    no Python exception in any process) is started once more, with a warning that carries its output; any other
+    failure, and a second abort, fails the test."""
     pairs = sorted({flags[i : i + 2] for i in range(0, len(flags), 2)} - _defaults())
     unsharded = procs == 1 and ("--fsdp", "1") not in pairs  # no process group (``--fsdp 1``: FSDP2 in one process)
     if unsharded:
@@ -59,11 +59,12 @@ def _train(tmp_path: Path, procs: int, *flags: str, env=None) -> dict:
     if key in _runs:
         return _runs[key]
     out = tmp_path / f"run_{procs}_{len(_runs)}.pt"
+    server = _Server.of(env, cuda=("--device", "cuda") in pairs)
     for attempt in (1, 2):
-        if ("--device", "cuda") in pairs:
+        if server.usable:
+            run = server.launch([str(out), *flags], procs, not unsharded, tmp_path / f"logs_{len(_runs)}")
+        else:  # CUDA where a forked process cannot use it
             run = _torchrun(procs, unsharded, out, flags, env)
-        else:
-            run = _Server.of(env).launch([str(out), *flags], procs, not unsharded, tmp_path / f"logs_{len(_runs)}")
         log = run.stdout[-3000:] + run.stderr[-8000:]
         native_abort = NATIVE_ABORT in run.stderr and "Traceback (most recent call last)" not in _worker_lines(run)
         if run.returncode == 0 or attempt == 2 or not native_abort:
@@ -90,24 +91,25 @@ def _torchrun(procs: int, unsharded: bool, out: Path, flags: tuple, env: dict) -
 
 
 class _Server:
-    """A running ``fork_launcher.py`` for one environment: it imported torch, transformers and PEFT once, and forks
-    each launch's processes (an import took ~11 s per process on CI's two cores, most of a launch)."""
+    """A running ``fork_launcher.py`` for one environment (and for CPU or CUDA launches): it imported torch,
+    transformers and (for CPU launches) PEFT once, and forks each launch's processes (an import took ~11 s per
+    process on CI's two cores, most of a launch; ~13 s on the GPU host)."""
 
     _servers: dict = {}
 
-    def __init__(self, env: dict):
+    def __init__(self, env: dict, cuda: bool):
         self.errors = tempfile.NamedTemporaryFile("w+", prefix="fork_launcher_", suffix=".txt")
-        cmd = [sys.executable, str(HERE / "fork_launcher.py")]
+        cmd = [sys.executable, str(HERE / "fork_launcher.py"), *(["--cuda"] if cuda else [])]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors,
                                      text=True, env=env)  # fmt: skip
-        self._reply()  # ready: its imports done
+        self.usable = self._reply()["usable"]  # ready: its imports done
 
     @classmethod
-    def of(cls, env: dict) -> "_Server":
-        key = tuple(sorted(env.items()))
+    def of(cls, env: dict, cuda: bool = False) -> "_Server":
+        key = (cuda, tuple(sorted(env.items())))
         server = cls._servers.get(key)
         if server is None or server.proc.poll() is not None:
-            server = cls._servers[key] = cls(env)
+            server = cls._servers[key] = cls(env, cuda)
         return server
 
     def _reply(self) -> dict:
