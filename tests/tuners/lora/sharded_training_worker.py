@@ -1,6 +1,7 @@
 """Worker for the sharded-training tests (``test_dora_fsdp2_cpu.py``, ``test_dora_deepspeed_cpu.py``,
 ``test_dora_fsdp2_gpu.py``): DoRA training under FSDP2 (``fully_shard``), FSDP1 or DeepSpeed ZeRO-2/3, started by
-``torchrun`` (on CPU the tests fork it from ``fork_launcher.py`` with torchrun's variables); on CPU with gloo
+``torchrun`` (the tests fork it from ``fork_launcher.py`` with torchrun's variables, on CUDA where a forked process
+can use it); on CPU with gloo
 (DeepSpeed's CPU accelerator), with ``--device cuda`` on GPUs with NCCL. With one
 process it trains the same model unsharded (the reference), unless ``--fsdp 1``.
 
