@@ -41,6 +41,7 @@ from .dora_cache import (
     KeyedMemo,
     LayerReuse,
     SmallRecord,
+    TrainRecord,
     _epoch,
     capturing,
     identity_tracked,
@@ -347,7 +348,10 @@ class DoraLinearLayer(nn.Module):
                     record(self, TIER_FUSED_BACKWARD)
                     eps = eps_for(weight.dtype)
                     consts = (weight_norm, bias, float(scaling), eps, stride, zero_free)
-                    return dora_fused.FusedDoRALinearFunction.apply(result, a, weight_b, magnitude, None, consts)
+                    if zero_free is self._reuse.zero_free and stride == result.shape[-1]:
+                        self._keep_train_record(x, result, base_layer, weight, weight_a, weight_b, magnitude, bias,
+                                                scaling, eps)  # fmt: skip
+                    return dora_fused.linear_node(result, a, weight_b, magnitude, None, consts)
             lora = F.linear(a, weight_b)
 
         if weight_norm is None:
@@ -421,8 +425,13 @@ class DoraLinearLayer(nn.Module):
         if base.shape != result.shape or base.dtype not in KERNEL_DTYPES or not base.is_contiguous():
             return None
         record(self, TIER_FUSED_BACKWARD)
-        consts = (weight_norm, None, float(scaling), eps_for(weight.dtype), stride, None)
-        return dora_fused.FusedDoRALinearFunction.apply(result, a, weight_b, magnitude, base, consts)
+        eps = eps_for(weight.dtype)
+        consts = (weight_norm, None, float(scaling), eps, stride, None)
+        if dense is not None and stride == result.shape[-1]:
+            bias = _own_param(base_layer, "bias") if type(base_layer) is nn.Linear else None
+            self._keep_train_record(x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling, eps,
+                                    exact=True)  # fmt: skip
+        return dora_fused.linear_node(result, a, weight_b, magnitude, base, consts)
 
     def _traced_output(self, x, result, weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name):
         """The adapted output as torch.compile traces it, for a plain LoRA branch: ``g = m / norm`` scales B's rows
@@ -870,6 +879,82 @@ class DoraLinearLayer(nn.Module):
         self._reuse.keep_eval_record(
             SmallRecord(tensors, state, scaled_b, bias_term, rows[1], cached), ENABLE_DORA_CACHING
         )
+
+    def _keep_train_record(
+        self, x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling, eps, exact=False
+    ) -> None:
+        """After a training forward on the one-node branch whose norm came through the layer's training norm record:
+        a :class:`dora_cache.TrainRecord` of it, for :meth:`recorded_training_output`, where W is a plain Linear's
+        parameter, m and the bias plain parameters in PyTorch's own parameter dicts (not DeepSpeed ZeRO-3's, FSDP1's
+        views or FSDP2's gathered ones), the output's rows contiguous, and the magnitude's zero test the layer's own
+        (``exact``: the dropout node's forward, :meth:`_dropout_node`, whose base input ``W·x`` is its own)."""
+        norm = self._reuse.record
+        if (
+            norm is None or type(self) is not DoraLinearLayer or self.fan_in_fan_out or ENABLE_DORA_CACHING
+            or type(base_layer) is not nn.Linear or type(weight) is not nn.Parameter or not result.is_contiguous()
+        ):  # fmt: skip
+            return
+        tensors = _train_tensors(self, base_layer, weight_a, weight_b)
+        expected = (weight, weight_a, weight_b, magnitude) + (() if bias is None else (bias,))
+        if tensors is None or len(tensors) != len(expected) or any(t is not e for t, e in zip(tensors, expected)):
+            return
+        if hasattr(magnitude, "ds_id") or dora_dist.magnitude_shard(magnitude) is not None:
+            return
+        if dora_dist.flat_magnitude(magnitude) is not None:
+            return
+        device_type = x.device.type
+        state = _train_state(x, result, scaling, device_type, exact)
+        self._reuse.train = TrainRecord(tensors, state, norm, device_type, float(scaling), float(eps))
+
+    def recorded_training_output(
+        self, x, result, lora_A, lora_B, scaling, base_layer, exact=False
+    ) -> Optional[torch.Tensor]:
+        """A training forward (or its checkpoint recompute) from the layer's :class:`dora_cache.TrainRecord`:
+        ``a = x·Aᵀ`` and the one-node branch with the norm its norm record answers, after the record's checks and
+        the gates' that can change per call (grad mode, compile and capture, hooks on the branch, the rows' layout);
+        None where any fails or the norm record does not answer (the full path then decides). The same ops and
+        bits as :meth:`adapted_output`'s one-node branch (``exact``: :meth:`_dropout_node`'s, for the dropped-out
+        ``x``, with ``W·x`` its base input), without their gates and lookups: host time that a host-bound training
+        step waits on in every forward and recompute."""
+        kept = self._reuse.train
+        if kept is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        if kept.norm is not self._reuse.record or ENABLE_DORA_CACHING:
+            return None
+        plain = _plain_branch(lora_A, lora_B)
+        if plain is None:
+            return None
+        weight_a, weight_b = plain
+        tensors = _train_tensors(self, base_layer, weight_a, weight_b)
+        if tensors is None or not kept.holds(tensors, _train_state(x, result, scaling, kept.device_type, exact)):
+            return None
+        if not result.is_contiguous() or x.shape[:-1] != result.shape[:-1] or capturing(()):
+            return None
+        weight, magnitude = tensors[0], tensors[3]
+        if not (
+            result.requires_grad or magnitude.requires_grad or x.requires_grad or weight_a.requires_grad
+            or weight_b.requires_grad
+        ):  # fmt: skip
+            return None  # autograd records nothing: not the one-node branch's forward
+        if exact and result.numel() * result.element_size() > kept.state[0].fwd_chunk_mb * dora_settings.MB:
+            return None  # W·x whole would pass PEFT_DORA_FWD_CHUNK_MB: the composition in output slices
+        norm = kept.norm.answer(weight, weight_a, weight_b, kept.scale, 1, not weight.requires_grad, eager=True)
+        if norm is None or not norm_operand(norm, magnitude):
+            return None
+        a = F.linear(x, weight_a)
+        width = result.shape[-1]
+        if exact:
+            base = F.linear(x, weight)  # bias-free: the bias is in result once
+            if not base.is_contiguous():
+                return None
+            record(self, TIER_FUSED_BACKWARD)
+            return dora_fused.linear_node(
+                result, a, weight_b, magnitude, base, (norm, None, kept.scale, kept.eps, width, None)
+            )
+        bias = tensors[4] if len(tensors) > 4 else None
+        record(self, TIER_FUSED_BACKWARD)
+        consts = (norm, bias, kept.scale, kept.eps, width, self._reuse.zero_free)
+        return dora_fused.linear_node(result, a, weight_b, magnitude, None, consts)
 
     def _record_tensors(self, base_layer, weight, weight_a, weight_b, magnitude, bias) -> Optional[tuple]:
         """The tensors an eval forward's record is keyed on (:func:`_small_tensors`), where they are the very ones
@@ -1359,8 +1444,15 @@ class DoraLinearVariant(_DoraVariantBase):
             # backward (ATen ops that a host-bound step waits on). With dropout the cast stays: dropout's random mask
             # follows the tensor's dtype, and must match upstream's.
             x = module._cast_input_dtype(x, lora_A.weight.dtype)
+        exact = dropped and dora_settings.current().dropout != "branch"
+        if dropped:
+            x = dropout(x)  # once: everything below takes the dropped-out input
         if not dora_layer.training:  # an eval forward the layer has a record of: its three ops, few checks
             out = dora_layer.recorded_small_output(x, result, lora_A, lora_B, scaling, base_layer, active_adapter)
+            if out is not None:
+                return out
+        elif type(dora_layer) is DoraLinearLayer:  # a training forward the layer has a record of
+            out = dora_layer.recorded_training_output(x, result, lora_A, lora_B, scaling, base_layer, exact)
             if out is not None:
                 return out
         adapted_output, dropout_output = dora_layer.adapted_output, dora_layer.dropout_output
@@ -1373,22 +1465,17 @@ class DoraLinearVariant(_DoraVariantBase):
             def dropout_output(x, result, **kwargs):
                 return result + dora_layer(x, base_result=None, **kwargs)
 
-        if not dropped:
+        if not exact:
+            # no dropout, or PEFT_DORA_DROPOUT=branch: dropout on the LoRA branch's input only, y = g·(W·x +
+            # s·B·A·dropout(x)), which is the no-dropout path with a dropped-out branch input (no second base matmul)
             return adapted_output(
                 x, result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,
-                adapter_name=active_adapter,
-            )  # fmt: skip
-        if dora_settings.current().dropout == "branch":
-            # PEFT_DORA_DROPOUT=branch: dropout on the LoRA branch's input only, y = g·(W·x + s·B·A·dropout(x)),
-            # which is the no-dropout path with a dropped-out branch input (no second base matmul)
-            return adapted_output(
-                dropout(x), result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,
                 adapter_name=active_adapter,
             )  # fmt: skip
         # upstream's semantics: the magnitude scales the base output of the dropped-out input, so W·dropout(x) is
         # computed too
         return dropout_output(
-            dropout(x), result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,
+            x, result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,
             adapter_name=active_adapter,
         )  # fmt: skip
 
@@ -1640,6 +1727,30 @@ def _small_tensors(layer: nn.Module, base_layer: nn.Module, plain: tuple) -> Opt
     else:
         return None
     return (*sources, *plain, magnitude) + (() if bias is None else (bias,))
+
+
+def _train_tensors(layer: nn.Module, base_layer: nn.Module, weight_a, weight_b) -> Optional[tuple]:
+    """(W, A, B, m[, bias]) for a :class:`dora_cache.TrainRecord`: a plain Linear's weight, the layer's magnitude and
+    the bias, read from PyTorch's own parameter dicts (None for a framework's: DeepSpeed ZeRO-3's gathering dict)."""
+    params, own = base_layer._parameters, layer._parameters
+    if type(params) is not dict or type(own) is not dict:
+        return None
+    weight, bias, magnitude = params.get("weight"), params.get("bias"), own.get("weight")
+    if type(weight) is not nn.Parameter or type(magnitude) is not nn.Parameter:
+        return None
+    if bias is None:
+        return weight, weight_a, weight_b, magnitude
+    return (weight, weight_a, weight_b, magnitude, bias) if type(bias) is nn.Parameter else None
+
+
+def _train_state(x: torch.Tensor, result: torch.Tensor, scaling, device_type: str, exact: bool) -> tuple:
+    """What a :class:`dora_cache.TrainRecord` was made under besides its tensors: the settings (first), the scaling,
+    x's and the result's dtypes, autocast's dtype for x's device (False where it is off), the output's width and
+    device, and whether it was the dropout node's (``exact``)."""
+    autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
+    shape = result.shape
+    width = shape[-1] if shape else None
+    return (dora_settings.current(), float(scaling), x.dtype, result.dtype, autocast, width, result.device, exact)
 
 
 def _small_state(x: torch.Tensor, result: torch.Tensor, scaling) -> tuple:

@@ -333,6 +333,39 @@ class SmallRecord:
         return tensor_keys(tensors, self.plain) == self.key
 
 
+class TrainRecord:
+    """A training forward on the one-node branch (``dora_fused.FusedDoRALinearFunction`` without dropout), kept so
+    that the next training forwards and their checkpoint recomputes run its ops (``a = x·Aᵀ``, the norm, the node)
+    after a handful of checks instead of the gates, the zero test's and the norm's lookups and the layout checks,
+    which on a host-bound training step cost more host time than the ops (``DoraLinearLayer.recorded_training_output``).
+
+    Unlike :class:`SmallRecord` it keys on no version counter: the tensors change at every optimizer step, and the
+    norm comes from the layer's training norm record (``dora_norm.eager_record``, held here as ``norm``), which
+    checks W's, A's and B's storages, data pointers, layout, versions and settings itself and replays its graph for
+    new values. This record answers while that norm record is the layer's, the very same W, A, B, m (and bias)
+    objects are the layer's, m's and the bias's layout (shape, strides, dtype, device, the bias frozen) and the state
+    (the settings snapshot, the scaling, x's and the result's dtypes, autocast's dtype, the output's width and device)
+    are those it was made under; the caller checks what can change per call (grad mode, compile and capture, hooks on
+    the branch, the rows' layout). Weak references: a replaced parameter is not kept alive."""
+
+    __slots__ = ("refs", "layouts", "state", "norm", "device_type", "scale", "eps")
+
+    def __init__(self, tensors, state: tuple, norm, device_type: str, scale: float, eps: float) -> None:
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.layouts = train_layouts(tensors)
+        self.state, self.norm, self.device_type, self.scale, self.eps = state, norm, device_type, scale, eps
+
+    def holds(self, tensors, state: tuple) -> bool:
+        """Whether the record answers for these tensors (the same objects, m's and the bias's layout) and state."""
+        return state == self.state and same_objects(self.refs, tensors) and train_layouts(tensors) == self.layouts
+
+
+def train_layouts(tensors) -> tuple:
+    """The layout of a :class:`TrainRecord`'s magnitude and bias (its tensors from the fourth on; W's, A's and B's
+    are the norm record's to check): shape, strides, dtype, device and whether it requires grad."""
+    return tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors[3:])
+
+
 def tensor_keys(tensors, plain: bool = True) -> list:
     """Each tensor's storage (its ``StorageImpl``), data pointer, version counter, layout, dtype and device: what
     :class:`Memo` and :class:`SmallRecord` compare (``plain``: all of them ``nn.Parameter``, whose reads need not
@@ -389,14 +422,16 @@ class LayerReuse:
     rows' layout run that plan after the record's checks, ahead of all of the above; ``decode_record_cached``: the
     one made under ``DoraCaching`` (:meth:`decode_records`). ``unit_rows``: under FSDP2, where this layer leads its
     unit's row norms, ``(NormGraph, A buffers)``: one CUDA graph for the rows of all of them (``DoraLinearLayer.
-    _unit_rows_graphed``).
+    _unit_rows_graphed``). ``train``: the latest training forward on the one-node branch (:class:`TrainRecord`),
+    which answers the next training forwards and recomputes ahead of the gates while its objects, layouts, state and
+    norm record hold.
     ``clear`` forgets all of it; copies and pickles of a layer start empty.
     """
 
     __slots__ = (
         "norm", "w_sq", "scale", "factors", "rows", "scaled_b", "graph", "decode", "zero_free", "batched", "record",
         "small", "one_pass", "small_cached", "one_pass_cached", "shards", "decode_record", "decode_record_cached",
-        "unit_rows",
+        "unit_rows", "train",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -407,7 +442,7 @@ class LayerReuse:
         self.decode = self.record = self.scaled_b = self.shards = None
         self.small = self.one_pass = self.small_cached = self.one_pass_cached = None
         self.decode_record = self.decode_record_cached = None
-        self.unit_rows = None
+        self.unit_rows = self.train = None
 
     def eval_records(self, caching: bool) -> tuple:
         """(small, one-pass) eval records kept for ``DoraCaching`` on (``caching``) or off: a pair each, so forwards
@@ -434,7 +469,7 @@ class LayerReuse:
             memo.clear()
         self.rows, self.decode, self.record, self.scaled_b, self.shards = (), None, None, None, None
         self.small = self.one_pass = self.small_cached = self.one_pass_cached = None
-        self.decode_record = self.decode_record_cached = None
+        self.decode_record = self.decode_record_cached = self.train = None
         if graph:
             self.graph.clear()
             self.unit_rows = None

@@ -782,6 +782,35 @@ class FusedDoRALinearFunction(torch.autograd.Function):
         return d_result, d_a, d_b, d_mag, d_base, None
 
 
+def _node_apply(function):
+    """``function.apply`` for an autograd Function without ``setup_context``, by autograd's own C++ entry point where
+    no torch.func transform is active: what ``Function.apply`` does there (unwrap dead functorch wrappers, then the
+    C++ ``apply``) without its Python wrapper's generic argument handling, about 10 µs of host time per call on a
+    CPU stand-in (``benchmarks/host_eager.py``), paid by every training forward and its checkpoint recompute. Under
+    a transform, or where this PyTorch lacks either internal, ``function.apply`` itself."""
+    raw = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
+    functorch = getattr(torch._C, "_functorch", None)
+    unwrap = getattr(functorch, "unwrap_if_dead", None)
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if raw is None or unwrap is None or active is None or "setup_context" in function.__dict__:
+        return function.apply
+    direct, apply = raw.__get__(None, function), function.apply
+
+    def node(result, a, weight_b, magnitude, base, consts):
+        if active():
+            return apply(result, a, weight_b, magnitude, base, consts)
+        return direct(
+            unwrap(result), unwrap(a), unwrap(weight_b), unwrap(magnitude), None if base is None else unwrap(base),
+            consts,
+        )  # fmt: skip
+
+    return node
+
+
+linear_node = _node_apply(FusedDoRALinearFunction)
+"""``FusedDoRALinearFunction.apply(result, a, weight_b, magnitude, base, consts)`` (see :func:`_node_apply`)."""
+
+
 def _fused_backward(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad):
     needs = (needs_lora_grad, needs_base_grad, needs_mag_grad)
     if not any(needs):

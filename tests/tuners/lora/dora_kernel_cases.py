@@ -425,7 +425,7 @@ def test_output_with_a_magnitude_that_cannot_be_divided_by_keeps_inner(value):
     assert_close(m.grad, want, scale=23**0.5)
 
 
-def small_dora_model():
+def small_dora_model(lora_dropout=0.0):
     """Linear(24, 40) with a bias, ReLU, Linear(40, 17) without: DoRA r = 4 on both, A and B random (a trained
     adapter's, not B = 0), seed 0, eval mode."""
     from torch import nn
@@ -434,7 +434,9 @@ def small_dora_model():
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 17, bias=False))
-    config = LoraConfig(target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4)
+    config = LoraConfig(
+        target_modules=["0", "2"], use_dora=True, init_lora_weights=False, r=4, lora_dropout=lora_dropout
+    )
     return get_peft_model(model, config).eval()
 
 
@@ -1518,3 +1520,185 @@ def test_a_norm_graph_captured_under_inference_mode_trains_from_copies():
     assert graph.replays == 2
     for got, want in zip(*grads):
         assert torch.equal(got, want)
+
+
+def _graphs_as_on_cuda(monkeypatch):
+    """Training norms down the GPU's path on a CPU: ``dora_norm.norm_graph_applies`` says yes, and a "capture" keeps
+    the computation, which each replay runs again into the captured output buffer (as a CUDA graph's replay
+    computes from the current values at the same addresses), so layers make their training norm records."""
+    from peft.tuners.lora import dora_graph, dora_norm
+
+    class Replay:
+        def __init__(self, compute, out):
+            self.compute, self.out = compute, out
+
+        def replay(self):
+            self.out.copy_(self.compute())
+
+    def capture(self, device, compute):
+        out = compute().clone()
+        self.graph, self.out = Replay(compute, out), out
+        dora_graph.graph_counts["captured"] += 1
+        return out
+
+    monkeypatch.setattr(dora_norm, "norm_graph_applies", lambda weight, lora_A, lora_B: True)
+    monkeypatch.setattr(dora_graph.NormGraph, "_capture", capture)
+
+
+@pytest.mark.parametrize("dropout", ("none", "exact", "branch"))
+def test_training_record_answers_only_while_it_holds(monkeypatch, request, dropout):
+    """A training forward on the one-node branch keeps a record (``dora_cache.TrainRecord``) that answers the next
+    training forwards and their checkpoint recomputes without the gates (with LoRA dropout, upstream's semantics'
+    node, whose base input is ``W·dropout(x)``, or PEFT_DORA_DROPOUT=branch's): the same bits as the full path, and the
+    output a fresh computation's (the eager tier's), after each change below. Values the norm record sees (in-place
+    edits of W, A, m, an optimizer step) leave it answering with a fresh norm; a replaced parameter object, a new
+    scaling, m in another dtype, a trainable bias, a hook on ``lora_A``, autocast, new settings, ``DoraCaching``,
+    grad mode off, eval mode and a wider input make it step aside (the full path decides, and makes a new record
+    where its tier is the node's)."""
+    import contextlib
+    import copy
+
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from peft.helpers import DoraCaching
+    from peft.tuners.lora import dora, dora_settings
+
+    _graphs_as_on_cuda(monkeypatch)
+    if dropout == "branch":
+        settings = contextlib.ExitStack()
+        settings.enter_context(dora_settings.override(dropout="branch"))
+        request.addfinalizer(settings.close)
+    model = small_dora_model(0.0 if dropout == "none" else 0.25).train()
+    first, second = model.base_model.model[0], model.base_model.model[2]
+    x = torch.randn(2, 3, 24, generator=torch.Generator().manual_seed(1))
+    d_y = torch.randn(2, 3, 17, generator=torch.Generator().manual_seed(2))
+    answered = []
+    recorded = dora.DoraLinearLayer.recorded_training_output
+
+    def counted(self, *args):
+        out = recorded(self, *args)
+        answered.append(out is not None)
+        return out
+
+    monkeypatch.setattr(dora.DoraLinearLayer, "recorded_training_output", counted)
+
+    def step(fast=True, inputs=x, checkpointed=False):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)  # the same dropout masks in every step
+        with pytest.MonkeyPatch.context() as mp:
+            if not fast:
+                mp.setattr(dora.DoraLinearLayer, "recorded_training_output", lambda *args: None)
+            y = checkpoint(model, inputs, use_reentrant=False) if checkpointed else model(inputs)
+            (y * d_y).sum().backward()
+        return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def check(answers, label, **kwargs):
+        """One step: which layers' records answered ([first, second]), its output and gradients against the full
+        path's (bitwise) and its output against a fresh eager one."""
+        answered.clear()
+        y, grads = step(**kwargs)
+        assert answered == answers, (label, answered)
+        y_full, grads_full = step(fast=False, **kwargs)
+        assert torch.equal(y, y_full), label
+        assert grads.keys() == grads_full.keys() and len(grads) == 6, label
+        assert all(torch.equal(grads[k], grads_full[k]) for k in grads), label
+        assert_close(y, fresh(kwargs.get("inputs", x)), dtype=torch.float32)
+
+    def fresh(inputs):
+        """The output computed afresh with PyTorch ops (upstream's path) by a copy of the model (whose records start
+        empty), leaving the model's records and the settings snapshot as they were."""
+        with torch.no_grad(), dora_settings.plain():
+            reference = copy.deepcopy(model)
+            torch.manual_seed(3)
+            return reference(inputs)
+
+    def settle(label):
+        """Steps until both records answer again (the norm graph captures on a layer's second forward with new
+        tensors, the records follow), then one checked step."""
+        for _ in range(3):
+            answered.clear()
+            step()
+        check([True, True], "after " + label)
+
+    settle("the first steps")
+    # the forward of both layers and the recompute (which stops once the saved tensors the backward needs are back:
+    # the first layer's)
+    check([True, True, True], "checkpoint recompute", checkpointed=True)
+    lora_B = first.lora_B["default"]
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    weight = first.base_layer.weight
+    fresh_values = {  # the norm record replays its graph from these values, so the training record answers
+        "A in place": (lambda: second.lora_A["default"].weight.mul_(1.25), [True, True]),
+        "m in place": (lambda: first.lora_magnitude_vector["default"].weight.mul_(0.5), [True, True]),
+        "optimizer step": (lambda: opt.step(), [True, True]),  # with the gradients of the step before
+        # a frozen W's kept ||W||² is stale: the norm record declines, and the training record with it
+        "W in place": (lambda: weight.add_(0.01), [False, True]),
+        # a write PyTorch's version counters cannot see, announced by invalidate_norm_caches()
+        "unseen write": (lambda: (weight.data.mul_(1.5), dora.invalidate_norm_caches()), [False, False]),
+    }
+    for label, (change, answers) in fresh_values.items():
+        with torch.no_grad():
+            change()
+        check(answers, label)
+        settle(label)
+    m = second.lora_magnitude_vector["default"].weight
+    steps_aside = {  # what changes, which layer's record must step aside, and how it is undone (None: it is not)
+        "new B object": (
+            lambda: setattr(lora_B, "weight", nn.Parameter(lora_B.weight.detach() * 2)), [False, True], None
+        ),
+        "new scaling": (lambda: first.scaling.__setitem__("default", 0.75), [False, True], None),
+        "m in float64": (
+            lambda: setattr(m, "data", m.data.double()), [True, False], lambda: setattr(m, "data", m.data.float())
+        ),
+        "a trainable bias": (
+            lambda: first.base_layer.bias.requires_grad_(True), [False, True],
+            lambda: first.base_layer.bias.requires_grad_(False),
+        ),
+    }  # fmt: skip
+    for label, (change, answers, undo) in steps_aside.items():
+        change()
+        answered.clear()
+        y, _ = step()
+        assert answered == answers, (label, answered)
+        assert_close(y, fresh(x), dtype=torch.float32)
+        if undo is not None:
+            undo()
+        settle(label)
+
+    handle = second.lora_A["default"].register_forward_hook(lambda *args: None)
+    check([True, False], "hook")
+    handle.remove()
+    check([True, True], "hook removed")
+    wide = torch.randn(2, 3, 24, dtype=torch.float64)
+    model.double()  # a new dtype throughout: every layout differs
+    answered.clear()
+    step(inputs=wide)
+    assert answered == [False, False]
+    model.float()
+    settle("float64")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        answered.clear()
+        step()
+        assert answered == [False, False]
+    with dora_settings_changed():
+        answered.clear()
+        step()
+        assert answered == [False, False]
+    with DoraCaching():
+        answered.clear()
+        step()
+        assert answered == [False, False]
+    answered.clear()
+    with torch.no_grad():
+        model(x)
+    assert answered == [False, False]  # grad mode off: the full path (no node)
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    assert answered == [False, False]  # eval forwards do not ask
+    model.train()  # clears every record
+    answered.clear()
+    step()
+    assert answered == [False, False]
+    settle("train()")
