@@ -64,15 +64,32 @@ def _train(model, steps, autocast, x, gy, edit=None):
 
 @pytest.fixture
 def record_norm(monkeypatch):
-    """Keep the norm each forward used on the DoRA layer (``_last_norm``)."""
+    """Keep the norm each forward used on the DoRA layer (``_last_norm``): the one ``_forward_norm`` returned on the
+    full path, or, where the layer's training record answered (``recorded_training_output``, which asks its norm
+    record directly), the one it handed its training node."""
     original = dora.DoraLinearLayer._forward_norm
+    recorded_output, node = dora.DoraLinearLayer.recorded_training_output, dora.dora_fused.linear_node
+    handed = []
 
     def recorded(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         self._last_norm = out.clone()
         return out
 
+    def node_kept(result, a, weight_b, magnitude, base, consts):
+        handed[:] = [consts[0].clone()]
+        return node(result, a, weight_b, magnitude, base, consts)
+
+    def from_record(self, *args, **kwargs):
+        handed.clear()
+        out = recorded_output(self, *args, **kwargs)
+        if out is not None:
+            self._last_norm = handed[0]
+        return out
+
     monkeypatch.setattr(dora.DoraLinearLayer, "_forward_norm", recorded)
+    monkeypatch.setattr(dora.dora_fused, "linear_node", node_kept)
+    monkeypatch.setattr(dora.DoraLinearLayer, "recorded_training_output", from_record)
 
 
 @pytest.mark.parametrize("adapters", ["fp32_autocast", "bf16"])
