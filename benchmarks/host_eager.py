@@ -192,6 +192,22 @@ def _without_dora_step_hook(optimizer_step):
     return step
 
 
+def _train_record_switched(fn, on: bool):
+    """``fn`` with DoRA's training record (``DoraLinearLayer.recorded_training_output``) and the training nodes'
+    direct C++ apply (``dora_fused.linear_node``) on, as shipped, or off (``--compare-train-record``'s ``dora_full``:
+    every training forward takes the full path, through ``Function.apply``), switched before each call."""
+    from peft.tuners.lora import dora, dora_fused
+
+    record, node = dora.DoraLinearLayer.recorded_training_output, dora_fused.linear_node
+
+    def switched(x):
+        dora.DoraLinearLayer.recorded_training_output = record if on else (lambda self, *args, **kwargs: None)
+        dora_fused.linear_node = node if on else dora_fused.FusedDoRALinearFunction.apply
+        fn(x)
+
+    return switched
+
+
 def ops_per_module(fn, x, modules: int) -> float:
     """ATen ops one call of ``fn`` dispatches, per module (with its autograd backward and the optimizer): on a
     host-bound GPU step each is a launch or at least a dispatch, and unlike the CPU's timings the count does not
@@ -242,13 +258,16 @@ def run(args) -> dict:
     if args.probe == "norm-once":
         _norm_once()
     torch.set_num_threads(1)
-    models = {kind: build(args, kind == "dora") for kind in ("lora", "dora")}
+    kinds = ("lora", "dora", "dora_full") if args.compare_train_record else ("lora", "dora")
+    models = {kind: build(args, kind != "lora") for kind in kinds}
     fns = {kind: _step_fn(args, model) for kind, model in models.items()}
+    if args.compare_train_record:
+        fns = {kind: _train_record_switched(fn, kind != "dora_full") for kind, fn in fns.items()}
     # a forward alone follows no optimizer step: one that changes nothing runs between calls, untimed, so that the
     # versions move and DoRA's step hook runs (the magnitudes' zero test, the epoch) as between training steps
     before = None
     if args.measure == "train-forward":
-        before = {kind: _null_step(model, kind == "dora") for kind, model in models.items()}
+        before = {kind: _null_step(model, kind != "lora") for kind, model in models.items()}
     x = torch.randn(args.tokens, args.dim, dtype=args.dtype, requires_grad=args.measure != "eval")
     for fn in fns.values():  # warm-up: first calls, norm graphs and memos, optimizer state
         for _ in range(3):
@@ -260,7 +279,11 @@ def run(args) -> dict:
     steps_seen = dora_cache._epoch[0] - epoch
     replays = dora_graph.graph_counts["replayed"]
     ops = {kind: ops_per_module(fn, x, args.modules) for kind, fn in fns.items()}
+    extra = {}
+    if args.compare_train_record:
+        extra = {"dora_full_extra_us_per_module": round(med["dora_full"] - med["lora"], 2)}
     return {
+        **extra,
         "aten_ops_per_module": ops,
         "rounds_us_per_module": rounds,
         "median_us_per_module": {k: round(v, 2) for k, v in med.items()},
@@ -314,6 +337,12 @@ def main(argv=None) -> int:
         default="none",
         help="norm-once: each layer's first norm is reused forever (wrong: a cost probe, see _norm_once)",
     )
+    p.add_argument(
+        "--compare-train-record",
+        action="store_true",
+        help="also a third model, DoRA with its training record and direct node apply switched off (dora_full), "
+        "alternated with the other two in the same process",
+    )
     p.add_argument("--label", help="what is measured, kept in the record (e.g. which build of peft is imported)")
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -335,6 +364,11 @@ def main(argv=None) -> int:
         f"{args.measure} {args.tiers} {args.base}: LoRA {result['median_us_per_module']['lora']} µs/module, DoRA "
         f"{result['median_us_per_module']['dora']} (+{result['dora_extra_us_per_module']}); aten ops per module "
         f"{result['aten_ops_per_module']}; tiers {result['tiers']}"
+        + (
+            f"; without the training record +{result['dora_full_extra_us_per_module']}"
+            if args.compare_train_record
+            else ""
+        )
     )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

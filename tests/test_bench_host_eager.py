@@ -125,3 +125,17 @@ def test_autocast_eval_and_training(tmp_path, base):
     assert doc["aten_ops_per_module"]["dora"] < doc["aten_ops_per_module"]["lora"], doc["aten_ops_per_module"]
     doc = _run(tmp_path, "--measure", "train", *common)
     assert set(doc["tiers"]) == {"fused_backward"}, doc["tiers"]
+
+
+def test_compare_train_record_runs_the_same_ops_without_the_record(tmp_path):
+    """``--compare-train-record``: a third model, DoRA with its training record and the direct node apply switched
+    off, alternated with the other two; it dispatches the same ATen ops per module as DoRA with them (the record
+    skips Python, not work), and its extra over LoRA's is reported beside DoRA's."""
+    pytest.importorskip("triton")
+    doc = _run(tmp_path, "--measure", "train", "--tiers", "fused", "--graphs", "--compare-train-record")
+    ops = doc["aten_ops_per_module"]
+    assert set(ops) == {"lora", "dora", "dora_full"} and ops["dora"] == ops["dora_full"], ops
+    assert doc["dora_full_extra_us_per_module"] == pytest.approx(
+        doc["median_us_per_module"]["dora_full"] - doc["median_us_per_module"]["lora"], abs=0.02
+    )
+    assert set(doc["tiers"]) == {"fused_backward"}, doc["tiers"]
