@@ -731,12 +731,12 @@ def test_records_beside_a_wider_result(dora_switches, dora_env, monkeypatch):
         assert torch.equal(got, want_large)
 
 
-def counting_records(answered: list):
-    """``DoraLinearLayer.recorded_small_output`` (as it is now) that appends to ``answered`` whether each call
-    answered, for a test to patch in."""
+def counting_records(answered: list, name: str = "recorded_small_output"):
+    """``DoraLinearLayer.<name>`` (a record's answer, as it is now: ``recorded_small_output`` or
+    ``recorded_training_output``) that appends to ``answered`` whether each call answered, for a test to patch in."""
     from peft.tuners.lora import dora
 
-    recorded = dora.DoraLinearLayer.recorded_small_output
+    recorded = getattr(dora.DoraLinearLayer, name)
 
     def counted(self, *args):
         out = recorded(self, *args)
@@ -1522,29 +1522,6 @@ def test_a_norm_graph_captured_under_inference_mode_trains_from_copies():
         assert torch.equal(got, want)
 
 
-def _graphs_as_on_cuda(monkeypatch):
-    """Training norms down the GPU's path on a CPU: ``dora_norm.norm_graph_applies`` says yes, and a "capture" keeps
-    the computation, which each replay runs again into the captured output buffer (as a CUDA graph's replay
-    computes from the current values at the same addresses), so layers make their training norm records."""
-    from peft.tuners.lora import dora_graph, dora_norm
-
-    class Replay:
-        def __init__(self, compute, out):
-            self.compute, self.out = compute, out
-
-        def replay(self):
-            self.out.copy_(self.compute())
-
-    def capture(self, device, compute):
-        out = compute().clone()
-        self.graph, self.out = Replay(compute, out), out
-        dora_graph.graph_counts["captured"] += 1
-        return out
-
-    monkeypatch.setattr(dora_norm, "norm_graph_applies", lambda weight, lora_A, lora_B: True)
-    monkeypatch.setattr(dora_graph.NormGraph, "_capture", capture)
-
-
 @pytest.mark.parametrize("dropout", ("none", "exact", "branch"))
 def test_training_record_answers_only_while_it_holds(monkeypatch, request, dropout):
     """A training forward on the one-node branch keeps a record (``dora_cache.TrainRecord``) that answers the next
@@ -1558,13 +1535,14 @@ def test_training_record_answers_only_while_it_holds(monkeypatch, request, dropo
     import contextlib
     import copy
 
+    from sharded_training_worker import _emulate_norm_graphs
     from torch import nn
     from torch.utils.checkpoint import checkpoint
 
     from peft.helpers import DoraCaching
     from peft.tuners.lora import dora, dora_settings
 
-    _graphs_as_on_cuda(monkeypatch)
+    _emulate_norm_graphs(monkeypatch.setattr)  # training norms down the GPU's path: the layers make norm records
     if dropout == "branch":
         settings = contextlib.ExitStack()
         settings.enter_context(dora_settings.override(dropout="branch"))
@@ -1574,14 +1552,9 @@ def test_training_record_answers_only_while_it_holds(monkeypatch, request, dropo
     x = torch.randn(2, 3, 24, generator=torch.Generator().manual_seed(1))
     d_y = torch.randn(2, 3, 17, generator=torch.Generator().manual_seed(2))
     answered = []
-    recorded = dora.DoraLinearLayer.recorded_training_output
-
-    def counted(self, *args):
-        out = recorded(self, *args)
-        answered.append(out is not None)
-        return out
-
-    monkeypatch.setattr(dora.DoraLinearLayer, "recorded_training_output", counted)
+    monkeypatch.setattr(
+        dora.DoraLinearLayer, "recorded_training_output", counting_records(answered, "recorded_training_output")
+    )
 
     def step(fast=True, inputs=x, checkpointed=False):
         model.zero_grad(set_to_none=True)

@@ -351,12 +351,13 @@ def _tiers() -> dict:
     return out
 
 
-def _emulate_norm_graphs() -> None:
+def _emulate_norm_graphs(patch=setattr) -> None:
     """``--emulate-graphs 1``: our norm graphs on a CPU, where ``dora_norm.norm_graph_applies`` says no (CUDA only):
     it says yes, and a capture keeps the graph's computation, which each replay runs again into the captured output
-    buffer, as a CUDA graph's replay computes from the current values at the same addresses. Under FSDP2 that is the
-    per-unit row graph (``DoraLinearLayer._unit_rows_graphed``): its shard-based rows, casts and padding run on gloo,
-    against the launched rows of the gathered tensors."""
+    buffer, as a CUDA graph's replay computes from the current values at the same addresses (so layers also make
+    their training norm records). Under FSDP2 that is the per-unit row graph (``DoraLinearLayer._unit_rows_graphed``):
+    its shard-based rows, casts and padding run on gloo, against the launched rows of the gathered tensors.
+    ``patch(obj, name, value)``: ``setattr`` here, a test's ``monkeypatch.setattr`` to undo it after the test."""
     from peft.tuners.lora import dora_graph, dora_norm
 
     class Replay:
@@ -374,8 +375,8 @@ def _emulate_norm_graphs() -> None:
         dora_graph.graph_counts["replayed"] += 1
         return out
 
-    dora_norm.norm_graph_applies = lambda weight, lora_A, lora_B: True
-    dora_graph.NormGraph._capture = capture
+    patch(dora_norm, "norm_graph_applies", lambda weight, lora_A, lora_B: True)
+    patch(dora_graph.NormGraph, "_capture", capture)
 
 
 def _unit_rows() -> dict:
