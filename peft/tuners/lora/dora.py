@@ -916,10 +916,10 @@ class DoraLinearLayer(nn.Module):
         bits as :meth:`adapted_output`'s one-node branch (``exact``: :meth:`_dropout_node`'s, for the dropped-out
         ``x``, with ``W·x`` its base input), without their gates and lookups: host time that a host-bound training
         step waits on in every forward and recompute."""
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return None  # first: compiled code reads nothing a forward changes (Dynamo would guard on it)
         kept = self._reuse.train
-        if kept is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return None
-        if kept.norm is not self._reuse.record or ENABLE_DORA_CACHING:
+        if kept is None or kept.norm is not self._reuse.record or ENABLE_DORA_CACHING:
             return None
         plain = _plain_branch(lora_A, lora_B)
         if plain is None:

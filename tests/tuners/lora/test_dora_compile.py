@@ -929,3 +929,20 @@ def test_batch_graph_bookkeeping_on_a_cpu(monkeypatch):
     dora_norm._op_records.clear()
     gc.collect()
     assert not dora_norm._batch_graphs
+
+
+def test_compiled_forwards_never_read_the_training_record(fresh_dynamo):
+    """A layer's training record (``dora_cache.TrainRecord``, made by eager training forwards) is state that changes
+    between calls: compiled forwards must not read it, or Dynamo guards on it and a record made or replaced by an
+    eager forward in between recompiles the compiled model."""
+    model = _dora_model(TwoLinear(), ["l1", "l2"])
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    x = torch.randn(4, 7, 32)
+    layers = [m for m in model.modules() if isinstance(m, dora.DoraLinearLayer)]
+    assert len(layers) == 2
+    for step in range(3):
+        for layer in layers:  # stand-ins for records that eager forwards would leave, a new object each time
+            layer._reuse.train = None if step == 0 else object()
+        compiled(x).square().sum().backward()
+    assert counter.frame_count == 1
