@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model as bm  # noqa: E402
 import model_worker as mw  # noqa: E402
-from profile_step import point_spec  # noqa: E402
+from profile_step import point_arguments, point_spec  # noqa: E402
 
 
 def _switch(on: bool, saved: dict) -> None:
@@ -127,10 +127,8 @@ def probe(label: str, rounds: int, device, layers=None) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--points", required=True, help="';'-separated grid point labels")
+    point_arguments(p)
     p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--device", default="cuda", help="cuda; cpu runs every code path (a smoke test, no timings)")
-    p.add_argument("--layers", type=int, help="override the shape's decoder layers (a CPU smoke: 1)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     import transformers

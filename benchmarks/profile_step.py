@@ -161,12 +161,17 @@ def profile_kind(
     return res, model.unload()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def point_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of a script that times grid points on a device: ``--points``, ``--device``, ``--layers``."""
     p.add_argument("--points", required=True, help="';'-separated grid point labels")
-    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda", help="cuda; cpu runs every code path (a smoke test, no timings)")
     p.add_argument("--layers", type=int, help="override the shape's decoder layers (a CPU smoke: 1)")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    point_arguments(p)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compile", help="torch.compile mode for both kinds (default, max-autotune-no-cudagraphs, ...)")
     p.add_argument("--pystats", action="store_true", help="also record the host's Python time by function (cProfile)")
     p.add_argument("--measure", default="train", choices=("train", "infer"), help="a training step or an eval forward")

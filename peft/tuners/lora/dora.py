@@ -894,7 +894,7 @@ class DoraLinearLayer(nn.Module):
             or type(base_layer) is not nn.Linear or type(weight) is not nn.Parameter or not result.is_contiguous()
         ):  # fmt: skip
             return
-        tensors = _train_tensors(self, base_layer, weight_a, weight_b)
+        tensors = _small_tensors(self, base_layer, (weight_a, weight_b))
         expected = (weight, weight_a, weight_b, magnitude) + (() if bias is None else (bias,))
         if tensors is None or len(tensors) != len(expected) or any(t is not e for t, e in zip(tensors, expected)):
             return
@@ -925,7 +925,7 @@ class DoraLinearLayer(nn.Module):
         if plain is None:
             return None
         weight_a, weight_b = plain
-        tensors = _train_tensors(self, base_layer, weight_a, weight_b)
+        tensors = _small_tensors(self, base_layer, (weight_a, weight_b))
         if tensors is None or not kept.holds(tensors, _train_state(x, result, scaling, kept.device_type, exact)):
             return None
         if not result.is_contiguous() or x.shape[:-1] != result.shape[:-1] or capturing(()):
@@ -1727,20 +1727,6 @@ def _small_tensors(layer: nn.Module, base_layer: nn.Module, plain: tuple) -> Opt
     else:
         return None
     return (*sources, *plain, magnitude) + (() if bias is None else (bias,))
-
-
-def _train_tensors(layer: nn.Module, base_layer: nn.Module, weight_a, weight_b) -> Optional[tuple]:
-    """(W, A, B, m[, bias]) for a :class:`dora_cache.TrainRecord`: a plain Linear's weight, the layer's magnitude and
-    the bias, read from PyTorch's own parameter dicts (None for a framework's: DeepSpeed ZeRO-3's gathering dict)."""
-    params, own = base_layer._parameters, layer._parameters
-    if type(params) is not dict or type(own) is not dict:
-        return None
-    weight, bias, magnitude = params.get("weight"), params.get("bias"), own.get("weight")
-    if type(weight) is not nn.Parameter or type(magnitude) is not nn.Parameter:
-        return None
-    if bias is None:
-        return weight, weight_a, weight_b, magnitude
-    return (weight, weight_a, weight_b, magnitude, bias) if type(bias) is nn.Parameter else None
 
 
 def _train_state(x: torch.Tensor, result: torch.Tensor, scaling, device_type: str, exact: bool) -> tuple:
