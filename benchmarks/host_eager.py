@@ -7,7 +7,8 @@ change to the per-forward path can be judged before a device run. A model of ``-
 one; the tensors are small, so the time is the host's. ``--tiers fused`` runs the fused tiers' Python (gates, memos,
 autograd nodes, launch arguments) with every Triton launch replaced by a no-op (``TRITON_INTERPRET=1``, so the
 tiers are chosen as on a GPU; outputs are not computed); ``--tiers eager`` runs the PyTorch tiers. ``--measure
-train`` times a training step (forward under non-reentrant checkpointing unless ``--no-checkpointing``, backward,
+train`` times a training step (forward under non-reentrant checkpointing, reentrant with ``--reentrant``, none with
+``--no-checkpointing``; backward,
 AdamW), ``train-forward`` only that step's forward (under the same checkpointing; the graph it records is freed
 unused), so that ``train`` less ``train-forward`` is the backward's and the optimizer's part, ``eval`` an eval forward
 without autograd; ``--autocast`` keeps the adapters in fp32 beside a ``--dtype``
@@ -143,7 +144,7 @@ def _bare_step_fn(args, model):
     if args.measure == "train-forward":
 
         def forward_only(x):
-            checkpoint(model, x, use_reentrant=False) if args.checkpointing else model(x)
+            checkpoint(model, x, use_reentrant=args.reentrant) if args.checkpointing else model(x)
 
         return forward_only
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
@@ -151,7 +152,7 @@ def _bare_step_fn(args, model):
     optimizer_step = opt.step if dora else _without_dora_step_hook(opt.step)
 
     def step(x):
-        y = checkpoint(model, x, use_reentrant=False) if args.checkpointing else model(x)
+        y = checkpoint(model, x, use_reentrant=args.reentrant) if args.checkpointing else model(x)
         # a squared loss: its gradient is a contiguous tensor, as a next layer's matmul hands back (sum()'s is a
         # broadcast one, which sends DoRA's fused backward to its eager fallback)
         y.float().square().mean().backward()
@@ -323,6 +324,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--dropout", type=float, default=0.0, help="lora_dropout (LoRA's and DoRA's)")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    p.add_argument(
+        "--reentrant",
+        action="store_true",
+        help="reentrant checkpointing (prepare_model_for_kbit_training's default, the QLoRA recipe's): the forward "
+        "runs without autograd, the backward recomputes it with autograd",
+    )
     p.add_argument(
         "--graphs",
         action="store_true",

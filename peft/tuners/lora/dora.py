@@ -427,8 +427,8 @@ class DoraLinearLayer(nn.Module):
         record(self, TIER_FUSED_BACKWARD)
         eps = eps_for(weight.dtype)
         consts = (weight_norm, None, float(scaling), eps, stride, None)
-        if dense is not None and stride == result.shape[-1]:
-            bias = _own_param(base_layer, "bias") if type(base_layer) is nn.Linear else None
+        if stride == result.shape[-1]:
+            bias = _own_param(base_layer, "bias") if type(base_layer) is nn.Linear else base_layer.bias
             self._keep_train_record(x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling, eps,
                                     exact=True)  # fmt: skip
         return dora_fused.linear_node(result, a, weight_b, magnitude, base, consts)
@@ -885,17 +885,26 @@ class DoraLinearLayer(nn.Module):
     ) -> None:
         """After a training forward on the one-node branch whose norm came through the layer's training norm record:
         a :class:`dora_cache.TrainRecord` of it, for :meth:`recorded_training_output`, where W is a plain Linear's
-        parameter, m and the bias plain parameters in PyTorch's own parameter dicts (not DeepSpeed ZeRO-3's, FSDP1's
-        views or FSDP2's gathered ones), the output's rows contiguous, and the magnitude's zero test the layer's own
-        (``exact``: the dropout node's forward, :meth:`_dropout_node`, whose base input ``W·x`` is its own)."""
+        parameter or a bitsandbytes layer's quantized weight (not FSDP2's sharded one), m and the bias plain
+        parameters in PyTorch's own parameter dicts (not DeepSpeed ZeRO-3's, FSDP1's views or FSDP2's gathered ones),
+        the output's rows contiguous, and the magnitude's zero test the layer's own (``exact``: the dropout node's
+        forward, :meth:`_dropout_node`, whose base input ``W·x`` is its own)."""
         norm = self._reuse.record
         if (
             norm is None or type(self) is not DoraLinearLayer or self.fan_in_fan_out or ENABLE_DORA_CACHING
-            or type(base_layer) is not nn.Linear or type(weight) is not nn.Parameter or not result.is_contiguous()
+            or not result.is_contiguous()
         ):  # fmt: skip
             return
+        if isinstance(weight, dora_quant.QuantizedWeight):
+            if weight.versions or type(norm) is not dora_norm._QuantRecord:
+                return  # FSDP2's sharded packed weight: a new gathered copy in every forward
+            sources, kind = weight.sources, weight.kind
+        elif type(base_layer) is nn.Linear and type(weight) is nn.Parameter:
+            sources, kind = (weight,), None
+        else:
+            return
         tensors = _small_tensors(self, base_layer, (weight_a, weight_b))
-        expected = (weight, weight_a, weight_b, magnitude) + (() if bias is None else (bias,))
+        expected = (*sources, weight_a, weight_b, magnitude) + (() if bias is None else (bias,))
         if tensors is None or len(tensors) != len(expected) or any(t is not e for t, e in zip(tensors, expected)):
             return
         if hasattr(magnitude, "ds_id") or dora_dist.magnitude_shard(magnitude) is not None:
@@ -904,7 +913,9 @@ class DoraLinearLayer(nn.Module):
             return
         device_type = x.device.type
         state = _train_state(x, result, scaling, device_type, exact)
-        self._reuse.train = TrainRecord(tensors, state, norm, device_type, float(scaling), float(eps))
+        self._reuse.train = TrainRecord(
+            tensors, state, norm, device_type, float(scaling), float(eps), len(sources), kind
+        )
 
     def recorded_training_output(
         self, x, result, lora_A, lora_B, scaling, base_layer, exact=False
@@ -930,7 +941,8 @@ class DoraLinearLayer(nn.Module):
             return None
         if not result.is_contiguous() or x.shape[:-1] != result.shape[:-1] or capturing(()):
             return None
-        weight, magnitude = tensors[0], tensors[3]
+        sources = kept.sources
+        weight, magnitude = tensors[0], tensors[sources + 2]
         if not (
             result.requires_grad or magnitude.requires_grad or x.requires_grad or weight_a.requires_grad
             or weight_b.requires_grad
@@ -938,20 +950,28 @@ class DoraLinearLayer(nn.Module):
             return None  # autograd records nothing: not the one-node branch's forward
         if exact and result.numel() * result.element_size() > kept.state[0].fwd_chunk_mb * dora_settings.MB:
             return None  # W·x whole would pass PEFT_DORA_FWD_CHUNK_MB: the composition in output slices
-        norm = kept.norm.answer(weight, weight_a, weight_b, kept.scale, 1, not weight.requires_grad, eager=True)
+        if kept.kind is None:
+            norm = kept.norm.answer(weight, weight_a, weight_b, kept.scale, 1, not weight.requires_grad, eager=True)
+        else:  # a bitsandbytes base: its wrapper, read afresh (the dequantized shape and dtype its state says now)
+            weight = dora_quant.QuantizedWeight(base_layer, weight, kept.kind)
+            if weight.versions:
+                return None  # FSDP2 has sharded it since
+            norm = kept.norm.answer(weight, weight_a, weight_b, kept.scale, 1, True)
         if norm is None or not norm_operand(norm, magnitude):
             return None
         a = F.linear(x, weight_a)
         width = result.shape[-1]
         if exact:
-            base = F.linear(x, weight)  # bias-free: the bias is in result once
+            # bias-free (the bias is in result once); a quantized W dequantized for the matmul and again in the
+            # backward (dora_quant.base_output)
+            base = F.linear(x, weight) if kept.kind is None else dora_quant.base_output(weight, x)
             if not base.is_contiguous():
                 return None
             record(self, TIER_FUSED_BACKWARD)
             return dora_fused.linear_node(
                 result, a, weight_b, magnitude, base, (norm, None, kept.scale, kept.eps, width, None)
             )
-        bias = tensors[4] if len(tensors) > 4 else None
+        bias = tensors[sources + 3] if len(tensors) > sources + 3 else None
         record(self, TIER_FUSED_BACKWARD)
         consts = (norm, bias, kept.scale, kept.eps, width, self._reuse.zero_free)
         return dora_fused.linear_node(result, a, weight_b, magnitude, None, consts)

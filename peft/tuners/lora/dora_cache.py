@@ -340,30 +340,40 @@ class TrainRecord:
     which on a host-bound training step cost more host time than the ops (``DoraLinearLayer.recorded_training_output``).
 
     Unlike :class:`SmallRecord` it keys on no version counter: the tensors change at every optimizer step, and the
-    norm comes from the layer's training norm record (``dora_norm.eager_record``, held here as ``norm``), which
-    checks W's, A's and B's storages, data pointers, layout, versions and settings itself and replays its graph for
-    new values. This record answers while that norm record is the layer's, the very same W, A, B, m (and bias)
+    norm comes from the layer's training norm record (``dora_norm.eager_record``, or ``eager_quant_record`` on a
+    bitsandbytes base; held here as ``norm``), which checks W's (or the packed weight's and scales'), A's and B's
+    storages, data pointers, layout, versions and settings itself and replays its graph for new values. This record
+    answers while that norm record is the layer's, the very same W (or packed weight and scales), A, B, m (and bias)
     objects are the layer's, m's and the bias's layout (shape, strides, dtype, device, the bias frozen) and the state
     (the settings snapshot, the scaling, x's and the result's dtypes, autocast's dtype, the output's width and device)
     are those it was made under; the caller checks what can change per call (grad mode, compile and capture, hooks on
     the branch, the rows' layout). Weak references: a replaced parameter is not kept alive."""
 
-    __slots__ = ("refs", "layouts", "state", "norm", "device_type", "scale", "eps")
+    __slots__ = ("refs", "layouts", "state", "norm", "device_type", "scale", "eps", "sources", "kind")
 
-    def __init__(self, tensors, state: tuple, norm, device_type: str, scale: float, eps: float) -> None:
+    def __init__(
+        self, tensors, state: tuple, norm, device_type: str, scale: float, eps: float, sources: int = 1,
+        kind: Optional[str] = None,
+    ) -> None:  # fmt: skip
+        # ``tensors``: W's ``sources`` (the parameter itself, or a bitsandbytes layer's packed weight and scales,
+        # ``dora_quant.QuantizedWeight.sources``, of ``kind`` "4bit" or "8bit"), then A, B, m and the bias
+        self.sources, self.kind = sources, kind
         self.refs = tuple(weakref.ref(t) for t in tensors)
-        self.layouts = train_layouts(tensors)
+        self.layouts = train_layouts(tensors, self.sources)
         self.state, self.norm, self.device_type, self.scale, self.eps = state, norm, device_type, scale, eps
 
     def holds(self, tensors, state: tuple) -> bool:
         """Whether the record answers for these tensors (the same objects, m's and the bias's layout) and state."""
-        return state == self.state and same_objects(self.refs, tensors) and train_layouts(tensors) == self.layouts
+        return (
+            state == self.state and same_objects(self.refs, tensors)
+            and train_layouts(tensors, self.sources) == self.layouts
+        )  # fmt: skip
 
 
-def train_layouts(tensors) -> tuple:
-    """The layout of a :class:`TrainRecord`'s magnitude and bias (its tensors from the fourth on; W's, A's and B's
+def train_layouts(tensors, sources: int = 1) -> tuple:
+    """The layout of a :class:`TrainRecord`'s magnitude and bias (its tensors after W's ``sources``, A and B, which
     are the norm record's to check): shape, strides, dtype, device and whether it requires grad."""
-    return tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors[3:])
+    return tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors[sources + 2 :])
 
 
 def tensor_keys(tensors, plain: bool = True) -> list:

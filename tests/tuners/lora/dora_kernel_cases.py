@@ -1675,3 +1675,106 @@ def test_training_record_answers_only_while_it_holds(monkeypatch, request, dropo
     step()
     assert answered == [False, False]
     settle("train()")
+
+
+@pytest.mark.parametrize("dropout", ("none", "exact"))
+@pytest.mark.parametrize("kind", ("nf4", "int8"))
+def test_training_record_of_a_quantized_layer_answers_only_while_it_holds(monkeypatch, kind, dropout):
+    """The training record on a bitsandbytes base (QDoRA: the packed weight and its scales stand for W, the norm comes
+    from the layer's quantized norm record, ``dora_norm._QuantRecord``; with LoRA dropout the node's base input is
+    ``W·dropout(x)`` through the dequantizing matmul): it answers the next training forwards and checkpoint recomputes
+    with the full path's bits and a fresh computation's output. An optimizer step and an in-place edit of A leave it
+    answering (the norm record replays); scales edited in place (the kept ``||W||²`` is stale, the norm record
+    declines), a requantized weight (new objects), a new scaling, autocast and ``train()`` make it step aside."""
+    import copy
+
+    from dora_testing import BnbNet, bnb_linear, edit_scales_in_place, perturb_magnitudes
+    from sharded_training_worker import _emulate_norm_graphs
+    from torch.utils.checkpoint import checkpoint
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import dora, dora_settings
+
+    _emulate_norm_graphs(monkeypatch.setattr)  # training norms down the GPU's path: the layers make norm records
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["up", "down"], use_dora=True, init_lora_weights=False,
+                        lora_dropout=0.0 if dropout == "none" else 0.25)  # fmt: skip
+    torch.manual_seed(3)
+    model = perturb_magnitudes(get_peft_model(BnbNet(kind), config)).train()
+    up, down = model.base_model.model.up, model.base_model.model.down
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1))
+    d_y = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(2))
+    answered = []
+    monkeypatch.setattr(
+        dora.DoraLinearLayer, "recorded_training_output", counting_records(answered, "recorded_training_output")
+    )
+
+    def step(fast=True, checkpointed=False):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)  # the same dropout masks in every step
+        with pytest.MonkeyPatch.context() as mp:
+            if not fast:
+                mp.setattr(dora.DoraLinearLayer, "recorded_training_output", lambda *args: None)
+            y = checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
+            (y.float() * d_y).sum().backward()
+        return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def fresh():
+        """The output computed afresh with PyTorch ops (upstream's path) by a copy of the model."""
+        with torch.no_grad(), dora_settings.plain():
+            reference = copy.deepcopy(model)
+            torch.manual_seed(3)
+            return reference(x)
+
+    def check(answers, label, **kwargs):
+        answered.clear()
+        y, grads = step(**kwargs)
+        assert answered == answers, (label, answered)
+        y_full, grads_full = step(fast=False, **kwargs)
+        assert torch.equal(y, y_full), label
+        assert grads.keys() == grads_full.keys() and len(grads) == 6, label
+        assert all(torch.equal(grads[k], grads_full[k]) for k in grads), label
+        assert_close(y, fresh(), dtype=torch.bfloat16)
+
+    def settle(label):
+        for _ in range(3):
+            answered.clear()
+            step()
+        check([True, True], "after " + label)
+
+    settle("the first steps")
+    assert all(type(layer._reuse.train.norm).__name__ == "_QuantRecord" for layer in dora_layers_of(model))
+    # both layers' forwards and the recompute, which stops once the saved tensors the backward needs are back (up's)
+    check([True, True, True], "checkpoint recompute", checkpointed=True)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with torch.no_grad():
+        opt.step()
+    check([True, True], "optimizer step")
+    with torch.no_grad():
+        down.lora_A["default"].weight.mul_(1.25)
+    check([True, True], "A in place")
+    edit_scales_in_place(up.base_layer)  # the norm record's kept ||W||² is stale: it declines, and this record too
+    check([False, True], "scales in place")
+    settle("scales in place")
+    replacement = bnb_linear(kind, 96, 40, seed=7)
+    down.base_layer.weight = replacement.weight  # requantized: new objects
+    if kind == "int8":
+        down.base_layer.state = replacement.state
+    check([True, False], "requantized")
+    settle("requantized")
+    down.scaling["default"] = 0.75
+    check([True, False], "new scaling")
+    settle("new scaling")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        answered.clear()
+        step()
+        assert answered == [False, False]
+    model.train()  # clears every record
+    answered.clear()
+    step()
+    assert answered == [False, False]
+
+
+def dora_layers_of(model):
+    from peft.tuners.lora import dora
+
+    return [m for m in model.modules() if isinstance(m, dora.DoraLinearLayer)]
