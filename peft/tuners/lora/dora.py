@@ -66,6 +66,7 @@ from .dora_dispatch import (
     branch_node_stride,
     compose_tier,
     norm_operand,
+    output_layout,
     record,
     records_grad,
     wider_result,
@@ -926,12 +927,17 @@ class DoraLinearLayer(nn.Module):
         None where any fails or the norm record does not answer (the full path then decides). The same ops and
         bits as :meth:`adapted_output`'s one-node branch (``exact``: :meth:`_dropout_node`'s, for the dropped-out
         ``x``, with ``W·x`` its base input), without their gates and lookups: host time that a host-bound training
-        step waits on in every forward and recompute."""
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        step waits on in every forward and recompute. A training-mode forward without autograd (a reentrant
+        checkpoint's first pass) gets the one-pass output kernel instead, as on the full path
+        (:meth:`_recorded_no_grad_output`; not the dropout node's)."""
+        if torch.compiler.is_compiling():
             return None  # first: compiled code reads nothing a forward changes (Dynamo would guard on it)
+        grad_mode = torch.is_grad_enabled()
         kept = self._reuse.train
         if kept is None or kept.norm is not self._reuse.record or ENABLE_DORA_CACHING:
             return None
+        if not grad_mode and (exact or not kept.no_grad):
+            return None  # the dropout node's no-grad forward composes (the full path), as a layout the kernel declined
         plain = _plain_branch(lora_A, lora_B)
         if plain is None:
             return None
@@ -943,7 +949,7 @@ class DoraLinearLayer(nn.Module):
             return None
         sources = kept.sources
         weight, magnitude = tensors[0], tensors[sources + 2]
-        if not (
+        if grad_mode and not (
             result.requires_grad or magnitude.requires_grad or x.requires_grad or weight_a.requires_grad
             or weight_b.requires_grad
         ):  # fmt: skip
@@ -961,6 +967,9 @@ class DoraLinearLayer(nn.Module):
             return None
         a = F.linear(x, weight_a)
         width = result.shape[-1]
+        if not grad_mode:
+            bias = tensors[sources + 3] if len(tensors) > sources + 3 else None
+            return self._recorded_no_grad_output(kept, result, F.linear(a, weight_b), magnitude, norm, bias)
         if exact:
             # bias-free (the bias is in result once); a quantized W dequantized for the matmul and again in the
             # backward (dora_quant.base_output)
@@ -975,6 +984,26 @@ class DoraLinearLayer(nn.Module):
         record(self, TIER_FUSED_BACKWARD)
         consts = (norm, bias, kept.scale, kept.eps, width, self._reuse.zero_free)
         return dora_fused.linear_node(result, a, weight_b, magnitude, None, consts)
+
+    def _recorded_no_grad_output(self, kept, result, lora, magnitude, norm, bias) -> Optional[torch.Tensor]:
+        """A training-mode forward without autograd from the layer's training record: the first pass of a reentrant
+        checkpoint (``torch.utils.checkpoint(use_reentrant=True)``, what ``prepare_model_for_kbit_training`` and
+        transformers' ``gradient_checkpointing_enable()`` run by default), whose recompute in the backward takes the
+        training node. The same ops and bits as :meth:`adapted_output`'s path there (``lora = x·Aᵀ·Bᵀ``, the
+        one-pass output kernel with the norm, the magnitude's zero test started for the recompute's node), without
+        its gates and lookups. None (the full path) where the kernel does not take ``lora``'s layout, after which the
+        record no longer tries."""
+        strides = output_layout(result, lora, bias, magnitude, norm)
+        if strides is None:
+            kept.no_grad = False
+            return None
+        zero_free = self._reuse.zero_free
+        if magnitude.requires_grad and magnitude.is_cuda:
+            prefetch_zero_test(magnitude, zero_free)
+        record(self, TIER_FUSED_FORWARD)
+        return dora_fused.run_fused_output(
+            result, lora, magnitude, norm, kept.scale, kept.eps, bias, strides, zero_free
+        )
 
     def _record_tensors(self, base_layer, weight, weight_a, weight_b, magnitude, bias) -> Optional[tuple]:
         """The tensors an eval forward's record is keyed on (:func:`_small_tensors`), where they are the very ones

@@ -349,7 +349,7 @@ class TrainRecord:
     are those it was made under; the caller checks what can change per call (grad mode, compile and capture, hooks on
     the branch, the rows' layout). Weak references: a replaced parameter is not kept alive."""
 
-    __slots__ = ("refs", "layouts", "state", "norm", "device_type", "scale", "eps", "sources", "kind")
+    __slots__ = ("refs", "layouts", "state", "norm", "device_type", "scale", "eps", "sources", "kind", "no_grad")
 
     def __init__(
         self, tensors, state: tuple, norm, device_type: str, scale: float, eps: float, sources: int = 1,
@@ -358,6 +358,7 @@ class TrainRecord:
         # ``tensors``: W's ``sources`` (the parameter itself, or a bitsandbytes layer's packed weight and scales,
         # ``dora_quant.QuantizedWeight.sources``, of ``kind`` "4bit" or "8bit"), then A, B, m and the bias
         self.sources, self.kind = sources, kind
+        self.no_grad = True  # answers training-mode forwards without autograd too (until the kernel declines one)
         self.refs = tuple(weakref.ref(t) for t in tensors)
         self.layouts = train_layouts(tensors, self.sources)
         self.state, self.norm, self.device_type, self.scale, self.eps = state, norm, device_type, scale, eps

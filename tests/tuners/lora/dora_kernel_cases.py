@@ -1556,13 +1556,16 @@ def test_training_record_answers_only_while_it_holds(monkeypatch, request, dropo
         dora.DoraLinearLayer, "recorded_training_output", counting_records(answered, "recorded_training_output")
     )
 
-    def step(fast=True, inputs=x, checkpointed=False):
+    def step(fast=True, inputs=x, checkpointed=False, reentrant=False):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(3)  # the same dropout masks in every step
         with pytest.MonkeyPatch.context() as mp:
             if not fast:
                 mp.setattr(dora.DoraLinearLayer, "recorded_training_output", lambda *args: None)
-            y = checkpoint(model, inputs, use_reentrant=False) if checkpointed else model(inputs)
+            if reentrant:  # the first pass without autograd, the recompute with it (an input must require grad)
+                y = checkpoint(model, inputs.detach().requires_grad_(), use_reentrant=True)
+            else:
+                y = checkpoint(model, inputs, use_reentrant=False) if checkpointed else model(inputs)
             (y * d_y).sum().backward()
         return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -1598,6 +1601,9 @@ def test_training_record_answers_only_while_it_holds(monkeypatch, request, dropo
     # the forward of both layers and the recompute (which stops once the saved tensors the backward needs are back:
     # the first layer's)
     check([True, True, True], "checkpoint recompute", checkpointed=True)
+    # a reentrant checkpoint: both layers' first passes without autograd (the one-pass output kernel; the dropout
+    # node's composes on the full path), then both recomputes with it
+    check([dropout != "exact"] * 2 + [True, True], "reentrant checkpoint", reentrant=True)
     lora_B = first.lora_B["default"]
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     weight = first.base_layer.weight
@@ -1708,13 +1714,16 @@ def test_training_record_of_a_quantized_layer_answers_only_while_it_holds(monkey
         dora.DoraLinearLayer, "recorded_training_output", counting_records(answered, "recorded_training_output")
     )
 
-    def step(fast=True, checkpointed=False):
+    def step(fast=True, checkpointed=False, reentrant=False):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(3)  # the same dropout masks in every step
         with pytest.MonkeyPatch.context() as mp:
             if not fast:
                 mp.setattr(dora.DoraLinearLayer, "recorded_training_output", lambda *args: None)
-            y = checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
+            if reentrant:
+                y = checkpoint(model, x.detach().requires_grad_(), use_reentrant=True)
+            else:
+                y = checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
             (y.float() * d_y).sum().backward()
         return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -1745,6 +1754,8 @@ def test_training_record_of_a_quantized_layer_answers_only_while_it_holds(monkey
     assert all(type(layer._reuse.train.norm).__name__ == "_QuantRecord" for layer in dora_layers_of(model))
     # both layers' forwards and the recompute, which stops once the saved tensors the backward needs are back (up's)
     check([True, True, True], "checkpoint recompute", checkpointed=True)
+    # prepare_model_for_kbit_training's reentrant checkpoint: the first passes without autograd, then the recomputes
+    check([dropout != "exact"] * 2 + [True, True], "reentrant checkpoint", reentrant=True)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     with torch.no_grad():
         opt.step()
