@@ -1533,11 +1533,9 @@ def test_training_record_answers_only_while_it_holds(monkeypatch, request, dropo
     grad mode off, eval mode and a wider input make it step aside (the full path decides, and makes a new record
     where its tier is the node's)."""
     import contextlib
-    import copy
 
     from sharded_training_worker import _emulate_norm_graphs
     from torch import nn
-    from torch.utils.checkpoint import checkpoint
 
     from peft.helpers import DoraCaching
     from peft.tuners.lora import dora, dora_settings
@@ -1549,53 +1547,7 @@ def test_training_record_answers_only_while_it_holds(monkeypatch, request, dropo
         request.addfinalizer(settings.close)
     model = small_dora_model(0.0 if dropout == "none" else 0.25).train()
     first, second = model.base_model.model[0], model.base_model.model[2]
-    x = torch.randn(2, 3, 24, generator=torch.Generator().manual_seed(1))
-    d_y = torch.randn(2, 3, 17, generator=torch.Generator().manual_seed(2))
-    answered = []
-    monkeypatch.setattr(
-        dora.DoraLinearLayer, "recorded_training_output", counting_records(answered, "recorded_training_output")
-    )
-
-    def step(fast=True, inputs=x, checkpointed=False, reentrant=False):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(3)  # the same dropout masks in every step
-        with pytest.MonkeyPatch.context() as mp:
-            if not fast:
-                mp.setattr(dora.DoraLinearLayer, "recorded_training_output", lambda *args: None)
-            if reentrant:  # the first pass without autograd, the recompute with it (an input must require grad)
-                y = checkpoint(model, inputs.detach().requires_grad_(), use_reentrant=True)
-            else:
-                y = checkpoint(model, inputs, use_reentrant=False) if checkpointed else model(inputs)
-            (y * d_y).sum().backward()
-        return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    def check(answers, label, **kwargs):
-        """One step: which layers' records answered ([first, second]), its output and gradients against the full
-        path's (bitwise) and its output against a fresh eager one."""
-        answered.clear()
-        y, grads = step(**kwargs)
-        assert answered == answers, (label, answered)
-        y_full, grads_full = step(fast=False, **kwargs)
-        assert torch.equal(y, y_full), label
-        assert grads.keys() == grads_full.keys() and len(grads) == 6, label
-        assert all(torch.equal(grads[k], grads_full[k]) for k in grads), label
-        assert_close(y, fresh(kwargs.get("inputs", x)), dtype=torch.float32)
-
-    def fresh(inputs):
-        """The output computed afresh with PyTorch ops (upstream's path) by a copy of the model (whose records start
-        empty), leaving the model's records and the settings snapshot as they were."""
-        with torch.no_grad(), dora_settings.plain():
-            reference = copy.deepcopy(model)
-            torch.manual_seed(3)
-            return reference(inputs)
-
-    def settle(label):
-        """Steps until both records answer again (the norm graph captures on a layer's second forward with new
-        tensors, the records follow), then one checked step."""
-        for _ in range(3):
-            answered.clear()
-            step()
-        check([True, True], "after " + label)
+    x, answered, step, check, settle, fresh = training_record_steps(monkeypatch, model, 24, 17, torch.float32)
 
     settle("the first steps")
     # the forward of both layers and the recompute (which stops once the saved tensors the backward needs are back:
@@ -1692,14 +1644,11 @@ def test_training_record_of_a_quantized_layer_answers_only_while_it_holds(monkey
     with the full path's bits and a fresh computation's output. An optimizer step and an in-place edit of A leave it
     answering (the norm record replays); scales edited in place (the kept ``||W||²`` is stale, the norm record
     declines), a requantized weight (new objects), a new scaling, autocast and ``train()`` make it step aside."""
-    import copy
 
     from dora_testing import BnbNet, bnb_linear, edit_scales_in_place, perturb_magnitudes
     from sharded_training_worker import _emulate_norm_graphs
-    from torch.utils.checkpoint import checkpoint
 
     from peft import LoraConfig, get_peft_model
-    from peft.tuners.lora import dora, dora_settings
 
     _emulate_norm_graphs(monkeypatch.setattr)  # training norms down the GPU's path: the layers make norm records
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["up", "down"], use_dora=True, init_lora_weights=False,
@@ -1707,48 +1656,7 @@ def test_training_record_of_a_quantized_layer_answers_only_while_it_holds(monkey
     torch.manual_seed(3)
     model = perturb_magnitudes(get_peft_model(BnbNet(kind), config)).train()
     up, down = model.base_model.model.up, model.base_model.model.down
-    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1))
-    d_y = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(2))
-    answered = []
-    monkeypatch.setattr(
-        dora.DoraLinearLayer, "recorded_training_output", counting_records(answered, "recorded_training_output")
-    )
-
-    def step(fast=True, checkpointed=False, reentrant=False):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(3)  # the same dropout masks in every step
-        with pytest.MonkeyPatch.context() as mp:
-            if not fast:
-                mp.setattr(dora.DoraLinearLayer, "recorded_training_output", lambda *args: None)
-            if reentrant:
-                y = checkpoint(model, x.detach().requires_grad_(), use_reentrant=True)
-            else:
-                y = checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
-            (y.float() * d_y).sum().backward()
-        return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    def fresh():
-        """The output computed afresh with PyTorch ops (upstream's path) by a copy of the model."""
-        with torch.no_grad(), dora_settings.plain():
-            reference = copy.deepcopy(model)
-            torch.manual_seed(3)
-            return reference(x)
-
-    def check(answers, label, **kwargs):
-        answered.clear()
-        y, grads = step(**kwargs)
-        assert answered == answers, (label, answered)
-        y_full, grads_full = step(fast=False, **kwargs)
-        assert torch.equal(y, y_full), label
-        assert grads.keys() == grads_full.keys() and len(grads) == 6, label
-        assert all(torch.equal(grads[k], grads_full[k]) for k in grads), label
-        assert_close(y, fresh(), dtype=torch.bfloat16)
-
-    def settle(label):
-        for _ in range(3):
-            answered.clear()
-            step()
-        check([True, True], "after " + label)
+    _, answered, step, check, settle, _ = training_record_steps(monkeypatch, model, 64, 40, torch.bfloat16)
 
     settle("the first steps")
     assert all(type(layer._reuse.train.norm).__name__ == "_QuantRecord" for layer in dora_layers_of(model))
@@ -1789,3 +1697,68 @@ def dora_layers_of(model):
     from peft.tuners.lora import dora
 
     return [m for m in model.modules() if isinstance(m, dora.DoraLinearLayer)]
+
+
+def training_record_steps(monkeypatch, model, d_in: int, d_out: int, dtype: torch.dtype) -> tuple:
+    """``(x, answered, step, check, settle, fresh)`` of the training record tests for ``model`` (two DoRA layers,
+    ``d_in`` features in and ``d_out`` out): a seeded input ``x`` [2, 3, d_in] and loss weights ``d_y``; ``answered``,
+    the list each ``recorded_training_output`` call appends its answer to (``counting_records``, patched in).
+    ``step(fast, inputs, checkpointed, reentrant)``: one training step on ``inputs`` (``x``) with the loss
+    ``sum(y·d_y)``, the same dropout masks every time, as it is (``fast``) or with the records switched off (the full
+    path), plainly, under a non-reentrant checkpoint or a reentrant one (the first pass without autograd, the
+    recompute with it); the output and the gradients. ``check(answers, label, **step_kwargs)``: one step whose records
+    answered as ``answers`` say, its output and gradients bitwise the full path's, its output a fresh eager
+    computation's (``dtype``'s tolerance). ``settle(label)``: steps until the records answer again (the norm graph
+    captures on a layer's second forward with new tensors, the records follow), then one checked step.
+    ``fresh(inputs)``: that fresh computation's output."""
+    import copy
+
+    from torch.utils.checkpoint import checkpoint
+
+    from peft.tuners.lora import dora, dora_settings
+
+    x = torch.randn(2, 3, d_in, generator=torch.Generator().manual_seed(1))
+    d_y = torch.randn(2, 3, d_out, generator=torch.Generator().manual_seed(2))
+    answered = []
+    monkeypatch.setattr(
+        dora.DoraLinearLayer, "recorded_training_output", counting_records(answered, "recorded_training_output")
+    )
+
+    def step(fast=True, inputs=x, checkpointed=False, reentrant=False):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)  # the same dropout masks in every step
+        with pytest.MonkeyPatch.context() as mp:
+            if not fast:
+                mp.setattr(dora.DoraLinearLayer, "recorded_training_output", lambda *args: None)
+            if reentrant:  # the first pass without autograd, the recompute with it (an input must require grad)
+                y = checkpoint(model, inputs.detach().requires_grad_(), use_reentrant=True)
+            else:
+                y = checkpoint(model, inputs, use_reentrant=False) if checkpointed else model(inputs)
+            (y * d_y).sum().backward()
+        return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def fresh(inputs):
+        """The output computed afresh with PyTorch ops (upstream's path) by a copy of the model (whose records start
+        empty), leaving the model's records and the settings snapshot as they were."""
+        with torch.no_grad(), dora_settings.plain():
+            reference = copy.deepcopy(model)
+            torch.manual_seed(3)
+            return reference(inputs)
+
+    def check(answers, label, **kwargs):
+        answered.clear()
+        y, grads = step(**kwargs)
+        assert answered == answers, (label, answered)
+        y_full, grads_full = step(fast=False, **kwargs)
+        assert torch.equal(y, y_full), label
+        assert grads.keys() == grads_full.keys() and len(grads) == 6, label
+        assert all(torch.equal(grads[k], grads_full[k]) for k in grads), label
+        assert_close(y, fresh(kwargs.get("inputs", x)), dtype=dtype)
+
+    def settle(label):
+        for _ in range(3):
+            answered.clear()
+            step()
+        check([True, True], "after " + label)
+
+    return x, answered, step, check, settle, fresh
