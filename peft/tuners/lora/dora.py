@@ -928,16 +928,17 @@ class DoraLinearLayer(nn.Module):
         bits as :meth:`adapted_output`'s one-node branch (``exact``: :meth:`_dropout_node`'s, for the dropped-out
         ``x``, with ``W·x`` its base input), without their gates and lookups: host time that a host-bound training
         step waits on in every forward and recompute. A training-mode forward without autograd (a reentrant
-        checkpoint's first pass) gets the one-pass output kernel instead, as on the full path
-        (:meth:`_recorded_no_grad_output`; not the dropout node's)."""
+        checkpoint's first pass) gets what the full path runs there instead: the one-pass output kernel
+        (:meth:`_recorded_no_grad_output`), or for the dropout node the composition
+        (:meth:`_recorded_no_grad_composition`)."""
         if torch.compiler.is_compiling():
             return None  # first: compiled code reads nothing a forward changes (Dynamo would guard on it)
         grad_mode = torch.is_grad_enabled()
         kept = self._reuse.train
         if kept is None or kept.norm is not self._reuse.record or ENABLE_DORA_CACHING:
             return None
-        if not grad_mode and (exact or not kept.no_grad):
-            return None  # the dropout node's no-grad forward composes (the full path), as a layout the kernel declined
+        if not grad_mode and not (exact or kept.no_grad):
+            return None  # a layout the one-pass kernel declined
         plain = _plain_branch(lora_A, lora_B)
         if plain is None:
             return None
@@ -968,6 +969,8 @@ class DoraLinearLayer(nn.Module):
         a = F.linear(x, weight_a)
         width = result.shape[-1]
         if not grad_mode:
+            if exact:
+                return self._recorded_no_grad_composition(kept, x, result, weight, a, weight_b, norm)
             bias = tensors[sources + 3] if len(tensors) > sources + 3 else None
             return self._recorded_no_grad_output(kept, result, F.linear(a, weight_b), magnitude, norm, bias)
         if exact:
@@ -1004,6 +1007,22 @@ class DoraLinearLayer(nn.Module):
         return dora_fused.run_fused_output(
             result, lora, magnitude, norm, kept.scale, kept.eps, bias, strides, zero_free
         )
+
+    def _recorded_no_grad_composition(self, kept, x, result, weight, a, weight_b, norm) -> torch.Tensor:
+        """The dropout node's training-mode forward without autograd (a reentrant checkpoint's first pass, with LoRA
+        dropout's upstream semantics) from the layer's training record: what :meth:`forward` composes there
+        (``base_result`` None), ``result + ((g − 1)·W·x + g·s·(x·Aᵀ·Bᵀ))`` for the dropped-out ``x``, with ``W·x`` whole
+        or, on a bitsandbytes base, dequantized for the matmul (``dora_quant.base_output``); the same ops, without
+        the node's gates, the module calls and the lookups. Whole as :meth:`_base_chunks` computes it: the caller has
+        checked that the output fits PEFT_DORA_FWD_CHUNK_MB, and the LoRA output is no wider (the record's dtypes are
+        the node's, whose result is the branch's dtype or wider)."""
+        g = self._scale(norm, weight.dtype)
+        lora = F.linear(a, weight_b)
+        if kept.kind is not None:
+            return result + self._compose(lora, dora_quant.base_output(weight, x), g, kept.scale)
+        if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            weight = weight.to(x.dtype)  # as _base_chunks casts it
+        return result + self._compose(lora, F.linear(x, weight), g, kept.scale)
 
     def _record_tensors(self, base_layer, weight, weight_a, weight_b, magnitude, bias) -> Optional[tuple]:
         """The tensors an eval forward's record is keyed on (:func:`_small_tensors`), where they are the very ones
