@@ -1556,6 +1556,17 @@ def test_training_record_answers_only_while_it_holds(monkeypatch, request, dropo
     # a reentrant checkpoint: both layers' first passes without autograd (the one-pass output kernel; with upstream's
     # dropout semantics the composition), then both recomputes with it
     check([True] * 4, "reentrant checkpoint", reentrant=True)
+    outputs = []
+    for off in (False, True):  # a training-mode forward under inference_mode: the record's answer is the full path's
+        with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+            if off:
+                mp.setattr(dora.DoraLinearLayer, "recorded_training_output", lambda *args: None)
+            answered.clear()
+            torch.manual_seed(3)
+            outputs.append(model(x))
+            assert answered == ([] if off else [True, True])
+    assert torch.equal(*outputs)
+    settle("inference mode")  # the norm records' inference values are not handed to autograd
     lora_B = first.lora_B["default"]
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     weight = first.base_layer.weight
