@@ -7,7 +7,9 @@ per grid point, a LoRA twin and one DoRA model (each on its own base with the sa
 training step each of LoRA, DoRA with the record (``DoraLinearLayer.recorded_training_output`` and the training
 nodes' direct C++ apply, ``dora_fused.linear_node``) and DoRA without them (both switched off: the full path of
 every forward, through ``Function.apply``), in a rotating order; every step as ``profile_step.py`` runs it (forward
-under non-reentrant checkpointing, backward, AdamW), timed from an empty queue to its end (CUDA events). The record
+under non-reentrant checkpointing, or reentrant with ``--reentrant``: transformers' and
+``prepare_model_for_kbit_training``'s default, whose first pass runs without autograd; backward, AdamW), timed from an
+empty queue to its end (CUDA events). The first step of each model checks that every adapter got a gradient. The record
 keeps each round's three times, the per-round ratios and their medians, and how often the record answered.
 
     PYTHONPATH=<ours> python benchmarks/probe_train_record.py --points "llama1b bf16 r16 seq512 b1 all drop0.05" \
@@ -43,9 +45,11 @@ def _no_record(self, *args, **kwargs):
     return None
 
 
-def _model(cfg, point, dora: bool, device):
+def _model(cfg, point, dora: bool, device, reentrant: bool = False):
     base = mw.build_base(cfg, device, torch.bfloat16)
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:  # a reentrant checkpoint passes gradients on only where its input requires one
+        base.enable_input_require_grads()
     impl = {"name": "dora" if dora else "lora", "dora": dora}
     model = mw.wrap(base, cfg, point["rank"], impl, point["mode"], list(bm.GRID_TARGETS[point["targets"]]),
                     point["dropout"])  # fmt: skip
@@ -55,12 +59,19 @@ def _model(cfg, point, dora: bool, device):
 
 def _stepper(model, cfg, point, device):
     ids, labels = mw.make_inputs(cfg, device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6, foreach=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-6, foreach=True)
+    first = [True]
 
     def step():
         with mw.precision_ctx(point["mode"], device):
             loss = model(input_ids=ids, labels=labels, use_cache=False).loss
         loss.backward()
+        if first[0]:  # a step that trains nothing would time nothing of the adapters' backward
+            missing = [i for i, p in enumerate(params) if p.grad is None]
+            if missing:
+                raise RuntimeError(f"{len(missing)} of {len(params)} trainable tensors got no gradient")
+            first[0] = False
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -68,7 +79,7 @@ def _stepper(model, cfg, point, device):
     return step
 
 
-def probe(label: str, rounds: int, device, layers=None) -> dict:
+def probe(label: str, rounds: int, device, layers=None, reentrant: bool = False) -> dict:
     from peft.tuners.lora import dora, dora_fused
 
     saved = {"record": dora.DoraLinearLayer.recorded_training_output, "node": dora_fused.linear_node}
@@ -84,8 +95,8 @@ def probe(label: str, rounds: int, device, layers=None) -> dict:
     if layers:
         cfg["config_kwargs"]["num_hidden_layers"] = layers
     steps = {
-        "lora": _stepper(_model(cfg, point, False, device), cfg, point, device),
-        "dora": _stepper(_model(cfg, point, True, device), cfg, point, device),
+        "lora": _stepper(_model(cfg, point, False, device, reentrant), cfg, point, device),
+        "dora": _stepper(_model(cfg, point, True, device, reentrant), cfg, point, device),
     }
     runs = {"lora": ("lora", True), "record": ("dora", True), "full": ("dora", False)}
     for name, (kind, on) in runs.items():  # warm-up: captures, records, optimizer state
@@ -114,6 +125,7 @@ def probe(label: str, rounds: int, device, layers=None) -> dict:
     }
     out = {
         "rounds": rounds,
+        "checkpointing": "reentrant" if reentrant else "non-reentrant",
         "ms": {k: [round(t, 3) for t in v] for k, v in times.items()},
         "median_ms": {k: round(statistics.median(v), 3) for k, v in times.items()},
         "median_ratio": {k: round(statistics.median(v), 4) for k, v in ratios.items()},
@@ -129,6 +141,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     point_arguments(p)
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--reentrant", action="store_true", help="reentrant gradient checkpointing (transformers' default)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     import transformers
@@ -141,7 +154,7 @@ def main() -> int:
            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}  # fmt: skip
     result = {"env": env, "points": {}}
     for label in [s.strip() for s in args.points.split(";") if s.strip()]:
-        out = probe(label, args.rounds, device, args.layers)
+        out = probe(label, args.rounds, device, args.layers, args.reentrant)
         result["points"][label] = out
         print(f"{label}: median ms {out['median_ms']}, ratios {out['median_ratio']}, record answered "
               f"{out['record_answered']}", flush=True)  # fmt: skip
