@@ -273,9 +273,7 @@ class DoraLinearLayer(nn.Module):
         if lora_result is None:
             lora_result = _lora_output(lora_A, lora_B, x)
         if base_result is None:
-            if isinstance(weight, dora_quant.QuantizedWeight):  # no dense W kept from the forward to the backward
-                return self._compose(lora_result, dora_quant.base_output(weight, x), g, scaling)
-            return self._base_chunks(x, weight, lora_result, g, scaling)
+            return self._dropped_delta(x, weight, lora_result, g, scaling)
         bias = base_layer.bias
         if bias is not None:
             base_result = base_result - bias
@@ -471,6 +469,14 @@ class DoraLinearLayer(nn.Module):
         # in place only when autograd records nothing, so no saved tensor is overwritten
         grad = gates.grad if gates is not None else records_grad(lora, base, g)
         return dora_fused.compose_torch(lora, base, g, scaling, inplace=not grad)
+
+    def _dropped_delta(self, x, weight, lora_result, g, scaling) -> torch.Tensor:
+        """The DoRA delta for the dropped-out ``x`` (LoRA dropout, upstream's semantics): ``base = W·x`` dequantized
+        for the matmul on a bitsandbytes base (no dense W kept from the forward to the backward), else in output
+        slices (:meth:`_base_chunks`), composed with ``lora_result``."""
+        if isinstance(weight, dora_quant.QuantizedWeight):
+            return self._compose(lora_result, dora_quant.base_output(weight, x), g, scaling)
+        return self._base_chunks(x, weight, lora_result, g, scaling)
 
     def _base_chunks(self, x, weight, lora_result, g, scaling) -> torch.Tensor:
         """Dropout path: ``base = W·dropout(x)`` computed and composed in output slices of PEFT_DORA_FWD_CHUNK_MB."""
@@ -929,8 +935,8 @@ class DoraLinearLayer(nn.Module):
         ``x``, with ``W·x`` its base input), without their gates and lookups: host time that a host-bound training
         step waits on in every forward and recompute. A training-mode forward without autograd (a reentrant
         checkpoint's first pass) gets what the full path runs there instead: the one-pass output kernel
-        (:meth:`_recorded_no_grad_output`), or for the dropout node the composition
-        (:meth:`_recorded_no_grad_composition`)."""
+        (:meth:`_recorded_no_grad_output`), or for the dropout node the composition :meth:`forward` runs
+        (:meth:`_dropped_delta`)."""
         if torch.compiler.is_compiling():
             return None  # first: compiled code reads nothing a forward changes (Dynamo would guard on it)
         grad_mode = torch.is_grad_enabled()
@@ -968,10 +974,11 @@ class DoraLinearLayer(nn.Module):
             return None
         a = F.linear(x, weight_a)
         width = result.shape[-1]
+        bias = tensors[sources + 3] if len(tensors) > sources + 3 else None
         if not grad_mode:
-            if exact:
-                return self._recorded_no_grad_composition(kept, x, result, weight, a, weight_b, norm)
-            bias = tensors[sources + 3] if len(tensors) > sources + 3 else None
+            if exact:  # what forward composes there (base_result None), without the node's gates and module calls
+                g = self._scale(norm, weight.dtype)
+                return result + self._dropped_delta(x, weight, F.linear(a, weight_b), g, kept.scale)
             return self._recorded_no_grad_output(kept, result, F.linear(a, weight_b), magnitude, norm, bias)
         if exact:
             # bias-free (the bias is in result once); a quantized W dequantized for the matmul and again in the
@@ -983,7 +990,6 @@ class DoraLinearLayer(nn.Module):
             return dora_fused.linear_node(
                 result, a, weight_b, magnitude, base, (norm, None, kept.scale, kept.eps, width, None)
             )
-        bias = tensors[sources + 3] if len(tensors) > sources + 3 else None
         record(self, TIER_FUSED_BACKWARD)
         consts = (norm, bias, kept.scale, kept.eps, width, self._reuse.zero_free)
         return dora_fused.linear_node(result, a, weight_b, magnitude, None, consts)
@@ -1007,22 +1013,6 @@ class DoraLinearLayer(nn.Module):
         return dora_fused.run_fused_output(
             result, lora, magnitude, norm, kept.scale, kept.eps, bias, strides, zero_free
         )
-
-    def _recorded_no_grad_composition(self, kept, x, result, weight, a, weight_b, norm) -> torch.Tensor:
-        """The dropout node's training-mode forward without autograd (a reentrant checkpoint's first pass, with LoRA
-        dropout's upstream semantics) from the layer's training record: what :meth:`forward` composes there
-        (``base_result`` None), ``result + ((g − 1)·W·x + g·s·(x·Aᵀ·Bᵀ))`` for the dropped-out ``x``, with ``W·x`` whole
-        or, on a bitsandbytes base, dequantized for the matmul (``dora_quant.base_output``); the same ops, without
-        the node's gates, the module calls and the lookups. Whole as :meth:`_base_chunks` computes it: the caller has
-        checked that the output fits PEFT_DORA_FWD_CHUNK_MB, and the LoRA output is no wider (the record's dtypes are
-        the node's, whose result is the branch's dtype or wider)."""
-        g = self._scale(norm, weight.dtype)
-        lora = F.linear(a, weight_b)
-        if kept.kind is not None:
-            return result + self._compose(lora, dora_quant.base_output(weight, x), g, kept.scale)
-        if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-            weight = weight.to(x.dtype)  # as _base_chunks casts it
-        return result + self._compose(lora, F.linear(x, weight), g, kept.scale)
 
     def _record_tensors(self, base_layer, weight, weight_a, weight_b, magnitude, bias) -> Optional[tuple]:
         """The tensors an eval forward's record is keyed on (:func:`_small_tensors`), where they are the very ones
