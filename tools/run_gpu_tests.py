@@ -3,7 +3,8 @@
     PYTHONPATH=<our install> python3 tools/run_gpu_tests.py --out $OUT/gpu_tests_summary.txt [--groups N] [--plan]
 
 A multi-GPU machine counts its whole held time, and one pytest process leaves all but two of its GPUs idle (the
-two-process tests need two). Here each group gets two GPUs (``CUDA_VISIBLE_DEVICES`` "0,1", "2,3", ...) and a share
+two-process tests need two). Here each group gets two GPUs (``CUDA_VISIBLE_DEVICES`` "0,1", "2,3", ...; or one each
+with ``--gpus-per-group 1``, for files without two-process tests) and a share
 of the test files that hold GPU tests, and the groups run at once; ``torchrun --standalone`` in the multi-process
 tests picks free ports, so their process groups never meet. Files are balanced by their durations in the newest
 committed summary that lists them (pytest's ``--durations=0`` lines, which every run of this script keeps), else by
@@ -151,7 +152,14 @@ def _gpu_count() -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="the summary file (default: print only)")
-    p.add_argument("--groups", type=int, help="groups of two GPUs (default: the GPUs here // 2, at least 1)")
+    p.add_argument("--groups", type=int, help="groups of GPUs (default: the GPUs here // --gpus-per-group, at least 1)")
+    p.add_argument(
+        "--gpus-per-group",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="2 (default: the two-process tests need two) or 1, for files without two-process tests",
+    )
     p.add_argument("--timeout-s", type=float, default=3000.0, help="per group")
     p.add_argument("--plan", action="store_true", help="print the groups and stop")
     p.add_argument(
@@ -170,16 +178,18 @@ def main(argv=None) -> int:
         if unknown:
             p.error(f"not GPU test files: {' '.join(unknown)}")
         files = [f for f in files if f.name in args.files]
-    groups = args.groups or max(1, _gpu_count() // 2)
+    per = args.gpus_per_group
+    groups = args.groups or max(1, _gpu_count() // per)
+    gpus = [",".join(str(per * i + j) for j in range(per)) for i in range(groups)]
     weights = known_durations()
     plan = split(files, groups, weights)
     for i, group in enumerate(plan):
-        print(f"group {i} (GPUs {2 * i},{2 * i + 1}): {' '.join(f.name for f in group)}")
+        print(f"group {i} (GPUs {gpus[i]}): {' '.join(f.name for f in group)}")
     if args.plan:
         return 0
     logs, procs, start = [], [], time.monotonic()
     for i, group in enumerate(plan):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=f"{2 * i},{2 * i + 1}")
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[i])
         log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu_tests_group{i}.log", "w+", encoding="utf-8")
         cmd = [sys.executable, "-m", "pytest", *PYTEST, *(str(f.relative_to(REPO)) for f in group)]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -192,7 +202,9 @@ def main(argv=None) -> int:
             proc.kill()
             codes.append(proc.wait())
     wall = time.monotonic() - start
-    lines = [f"# python3 tools/run_gpu_tests.py: pytest {' '.join(PYTEST)}, {len(plan)} group(s) of two GPUs at once"]
+    lines = [
+        f"# python3 tools/run_gpu_tests.py: pytest {' '.join(PYTEST)}, {len(plan)} group(s) of {per} GPU(s) at once"
+    ]
     grand: dict[str, int] = {}
     per_file: dict[str, float] = {}
     texts = []
@@ -206,7 +218,7 @@ def main(argv=None) -> int:
             grand[k] = grand.get(k, 0) + v
         per_file.update(durations_by_file(text))
         tail = [line for line in text.splitlines() if line.strip()][-6:]
-        lines.append(f"## group {i}, GPUs {2 * i},{2 * i + 1}, exit {code}: {' '.join(f.name for f in group)}")
+        lines.append(f"## group {i}, GPUs {gpus[i]}, exit {code}: {' '.join(f.name for f in group)}")
         lines += tail
         lines += failure_lines(text)
     lines.append("## seconds per file (pytest --durations)")
