@@ -1704,6 +1704,62 @@ def test_training_record_of_a_quantized_layer_answers_only_while_it_holds(monkey
     assert answered == [False, False]
 
 
+@pytest.mark.parametrize("dropout", ("none", "exact"))
+@pytest.mark.parametrize("mode", ("plain", "checkpointed", "reentrant"))
+def test_training_record_takes_odd_inputs_as_the_full_path_does(monkeypatch, mode, dropout):
+    """Once the training records answer, inputs of other shapes and layouts go through them (the record keys on the
+    tensors and settings, not on x's rows): 0 tokens, an empty batch, one row, more rows, a transposed (non-contiguous)
+    and a broadcast (stride-0) input, a 2-D input and NaNs. Each step's output, input gradient and parameter gradients
+    are bitwise the full path's (records off), and the output a fresh eager computation's; plainly, under a
+    non-reentrant checkpoint and a reentrant one, with and without LoRA dropout (upstream's semantics)."""
+    from sharded_training_worker import _emulate_norm_graphs
+    from torch.utils.checkpoint import checkpoint
+
+    from peft.tuners.lora import dora
+
+    _emulate_norm_graphs(monkeypatch.setattr)  # training norms down the GPU's path: the layers make norm records
+    model = small_dora_model(0.0 if dropout == "none" else 0.25).train()
+    x, answered, _, _, settle, fresh = training_record_steps(monkeypatch, model, 24, 17, torch.float32)
+    settle("the first steps")
+    odd = {
+        "0 tokens": x[:, :0],
+        "empty batch": x[:0],
+        "one row": x[:1, :1],
+        "more rows": torch.randn(4, 50, 24, generator=torch.Generator().manual_seed(4)),
+        "transposed": torch.randn(3, 2, 24, generator=torch.Generator().manual_seed(5)).transpose(0, 1),
+        "broadcast": torch.randn(1, 1, 24, generator=torch.Generator().manual_seed(6)).expand(2, 3, 24),
+        "2-D": x[0],
+        "NaNs": torch.where(torch.rand(x.shape, generator=torch.Generator().manual_seed(7)) < 0.1, torch.nan, x),
+    }
+
+    def run(inputs, fast):
+        with pytest.MonkeyPatch.context() as mp:
+            if not fast:
+                mp.setattr(dora.DoraLinearLayer, "recorded_training_output", lambda *args: None)
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(3)  # the same dropout masks
+            inputs = inputs.detach().clone().requires_grad_()
+            if mode == "reentrant":
+                y = checkpoint(model, inputs, use_reentrant=True)
+            else:
+                y = checkpoint(model, inputs, use_reentrant=False) if mode == "checkpointed" else model(inputs)
+            (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            return [y.detach(), inputs.grad, *grads.values()], list(grads)
+
+    same = lambda a, b: torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))  # noqa: E731
+    for label, inputs in odd.items():
+        answered.clear()
+        ours, names = run(inputs, True)
+        assert answered and all(answered), (label, answered)  # every forward (and recompute) from a record
+        full, full_names = run(inputs, False)
+        assert names == full_names and len(names) == 6, label
+        assert all(same(a, b) for a, b in zip(ours, full)), label
+        reference = fresh(inputs)
+        assert same(torch.isnan(ours[0]).float(), torch.isnan(reference).float()), label
+        assert_close(ours[0].nan_to_num(0.0), reference.nan_to_num(0.0), dtype=torch.float32)
+
+
 def dora_layers_of(model):
     from peft.tuners.lora import dora
 
