@@ -109,6 +109,14 @@ def parse_args(argv=None):
     a("--warmup", type=int, default=3, help="untimed steps, at least 1 (the static memory must hold AdamW's state)")
     a("--steps", type=int, default=8, help="timed steps")
     a("--rounds", type=int, default=2, help="interleaved rounds of every implementation")
+    a(
+        "--pairs",
+        type=int,
+        default=8,
+        help="ABBA pairs of training steps, in every DoRA launch, of its DoRA against "
+        "a plain-LoRA twin model built and sharded alongside (0: none): the DoRA/LoRA ratio and the speed-up over "
+        "upstream from steps back to back in one process, which the host's drift between launches does not move",
+    )
     a("--lr", type=float, default=1e-5)
     a("--seed", type=int, default=0)
     a("--ours-wheel", help="our wheel or an install directory (default: .carry-bench/, else built from this checkout)")
@@ -175,6 +183,7 @@ def resolve_config(args) -> dict:
         "reshard": args.reshard,
         "meta_init": args.meta_init,
         "warmup": max(1, args.warmup),
+        "pairs": max(0, args.pairs),
         "steps": max(1, args.steps),
         "lr": args.lr,
         "lora": {
@@ -230,11 +239,14 @@ def estimate_s(cfg: dict, job: dict) -> float:
     norm_check = spec["task"] == "norm_check"
     steps = 1 if norm_check else spec["warmup"] + spec["steps"]
     total = LAUNCH_S
+    paired = spec["task"] == "train" and spec["impl"]["dora"] and cfg.get("pairs")
     for rank in spec["ranks"]:
         upstream = job["impl"] == "upstream"
         flops, dense = bench_model.forward_flops(ck, spec["batch"], cfg["seq"], rank, upstream=upstream)
         step_s = 4 * (flops + dense) / bench_model.EFFECTIVE_FLOPS * (FP32_SLOWDOWN if norm_check else 1)
         total += BUILD_S_PER_GB * gb + steps * step_s
+        if paired:  # the DoRA model again and its LoRA twin, two warm-up steps each, then the pairs
+            total += 2 * BUILD_S_PER_GB * gb + (4 + 2 * cfg["pairs"]) * step_s
     return total
 
 
@@ -359,15 +371,19 @@ def speed_view(doc: dict) -> dict:
     return {"speed": bench_model.collapse_rounds([dict(r) for r in doc["records"]])}
 
 
+def _train_records(doc: dict, impl: str, rank: int) -> list:
+    """The separately timed training records of (impl, rank), one per round (not the paired ones)."""
+    return [r for r in doc["records"] if (r["impl"], r["rank"]) == (impl, rank) and r.get("measure") == "train"]
+
+
 def _peak(doc: dict, impl: str, rank: int):
-    peaks = [r["peak_delta_mb"] for r in doc["records"] if (r["impl"], r["rank"]) == (impl, rank)]
+    peaks = [r["peak_delta_mb"] for r in _train_records(doc, impl, rank)]
     return None if not peaks or None in peaks else max(peaks)
 
 
 def _loss_diff(doc: dict, impl: str, rank: int, ref: str = "upstream"):
     """Largest |loss − ``ref``'s loss| over steps, each round against ``ref``'s round 0."""
-    refs = [r for r in doc["records"] if (r["impl"], r["rank"]) == (ref, rank)]
-    recs = [r for r in doc["records"] if (r["impl"], r["rank"]) == (impl, rank)]
+    refs, recs = _train_records(doc, ref, rank), _train_records(doc, impl, rank)
     if not refs or not recs:
         return None
     base = min(refs, key=lambda r: r["round"])["losses"]
@@ -379,8 +395,8 @@ def _host_issue(doc: dict, impl: str, rank: int) -> Optional[float]:
     impl's rounds; None for records made before it was kept. Near or above ``step_ms``: the step waits on the host."""
     per_round = [
         max(r["host_issue_ms_per_rank"])
-        for r in doc["records"]
-        if (r["impl"], r["rank"]) == (impl, rank) and None not in (r.get("host_issue_ms_per_rank") or [None])
+        for r in _train_records(doc, impl, rank)
+        if None not in (r.get("host_issue_ms_per_rank") or [None])
     ]
     return round(statistics.median(per_round), 3) if per_round else None
 
@@ -398,11 +414,16 @@ def summarize(doc: dict) -> list:
         peak = {i: _peak(doc, i, rank) for i in cfg["impls"]}
         over = {i: 100 * (peak[i] / peak["lora"] - 1) if peak.get(i) and peak.get("lora") else None for i in dora}
         step0 = {r["impl"]: r["step0_loss"] for r in sorted(doc["records"], key=lambda r: -r["round"])
-                 if r["rank"] == rank}  # fmt: skip
+                 if r["rank"] == rank and r.get("measure") == "train"}  # fmt: skip
+        paired = {i: bench_model.paired_ratio(view, mode, "train_step_paired", rank, impl=i) for i in dora}
+        up, ours = paired.get("upstream"), paired.get("ours")
         rows.append({
             "rank": rank, "step_ms": ms, "host_issue_ms": {i: _host_issue(doc, i, rank) for i in cfg["impls"]},
             "dora_over_lora": {i: bench_model.time_ratio(view, i, "lora", mode, "train", rank) for i in dora},
             "speedup_vs_upstream": bench_model.time_ratio(view, "upstream", "ours", mode, "train", rank),
+            # DoRA against its LoRA twin model in the same launch (--pairs), and upstream's such ratio over ours'
+            "dora_over_lora_paired": paired,
+            "speedup_vs_upstream_paired": round(up / ours, 4) if up and ours else None,
             "peak_delta_mb": peak, "peak_delta_over_lora_pct": over, "step0_loss": step0,
             "loss_max_abs_diff_vs_upstream": {i: _loss_diff(doc, i, rank) for i in cfg["impls"] if i != "upstream"},
             "loss_max_abs_diff_vs_single_gpu": _loss_diff(doc, "ours", rank, "single"),
@@ -443,11 +464,21 @@ def headline_values(doc: dict) -> dict:
                  "peak": f"{first}_{engine}_peak_delta_over_qlora_pct",
                  "single": f"{first}_{engine}_loss_max_abs_diff_vs_single_gpu", "gpu": names["gpu"]}  # fmt: skip
     out = {}  # a key only where the run had the impls it compares (a run of the references alone sets no ratio)
+    # where the DoRA launches paired their steps with a LoRA twin (--pairs), the ratio and the speed-up are the pairs'
+    # (the separately timed launches' in ``<key>_separate``), as the grid's and the compiled runs' are
+    paired = any(r.get("measure") == "train_step_paired" for r in doc["records"])
+    if {"ours", "lora"} <= impls or (paired and "ours" in impls):
+        ratios = [r["dora_over_lora_paired"]["ours"] if paired else r["dora_over_lora"]["ours"] for r in rows]
+        out[names["ratio"]] = _worst(ratios, max)
+    if paired and {"ours", "lora"} <= impls:
+        out[names["ratio"] + "_separate"] = _worst([r["dora_over_lora"]["ours"] for r in rows], max)
     if {"ours", "lora"} <= impls:
-        out[names["ratio"]] = _worst([r["dora_over_lora"]["ours"] for r in rows], max)
         out[names["peak"]] = _worst([r["peak_delta_over_lora_pct"]["ours"] for r in rows], max)
     if {"ours", "upstream"} <= impls:
-        out[names["speed"]] = _worst([r["speedup_vs_upstream"] for r in rows], min)
+        speeds = [r["speedup_vs_upstream_paired"] if paired else r["speedup_vs_upstream"] for r in rows]
+        out[names["speed"]] = _worst(speeds, min)
+        if paired:
+            out[names["speed"] + "_separate"] = _worst([r["speedup_vs_upstream"] for r in rows], min)
     if out and doc["kind"] == "gpu":
         out[names["gpu"]] = f"{doc['config']['nproc']}x {doc.get('env', {}).get('gpu')}"
     if any(r["impl"] == "single" for r in doc["records"]):
@@ -489,6 +520,10 @@ def print_table(doc: dict) -> None:
         single = _f(r["loss_max_abs_diff_vs_single_gpu"], ".2e")
         print(f"r={r['rank']:<4d} {ms} | {ratio} | x {_f(r['speedup_vs_upstream'], '.2f')} | peak {peak} | "
               f"{diff} | single {single}{proof}")  # fmt: skip
+        if any(v is not None for v in r["dora_over_lora_paired"].values()):
+            pairs = " ".join(f"{i} {_f(v)}" for i, v in r["dora_over_lora_paired"].items())
+            print(f"       paired with a LoRA twin in each launch: DoRA/LoRA {pairs} | "
+                  f"x {_f(r['speedup_vs_upstream_paired'], '.2f')}")  # fmt: skip
     if doc.get("norm_check"):
         n = doc["norm_check"]
         print(
@@ -639,7 +674,7 @@ def headline_from(paths: list, headline: Path) -> int:
                 gpus[key].setdefault(gpu, []).append(doc["config"]["engine"])
         for key, value in values.items():
             if key in merged:  # unknown (None) in either: unknown
-                pick = min if key.endswith("speedup_vs_upstream") else max
+                pick = min if "speedup_vs_upstream" in key else max
                 value = None if None in (value, merged[key]) else pick(value, merged[key])
             merged[key] = value
     for key, runs in gpus.items():

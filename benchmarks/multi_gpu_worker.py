@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 import traceback
 import types
@@ -413,6 +414,75 @@ def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, pr
     return rec
 
 
+def train_pairs(spec: dict, rank: int, device: torch.device, mesh, world: int, proc: int) -> dict:
+    """The launch's DoRA against a plain-LoRA twin *model* in the same process (``spec["pairs"]`` ABBA pairs of
+    training steps, :func:`model_worker.alternate`, after two warm-up steps each): the twin is built, seeded and
+    sharded by the same engine (its own base with the same seeded weights, A and B; no magnitudes), with its own
+    AdamW. Launches seconds apart land in different phases of the host's speed (single rounds of the separate
+    launches have read 0.88-1.40x at one point under ZeRO-3); two steps back to back share one, as the grid's paired
+    step does. A step's time is the slowest process's (each sample's maximum over processes, then the pairs'
+    ratios). Every FSDP step's gradients are proved over the shards, untimed; under ZeRO, whose step drops them,
+    one untimed proof step per side after the pairs. Static memory holds both models, so the peak is not taken here
+    (the ``train`` record has it)."""
+    import itertools
+
+    zero = spec["engine"].startswith("zero")
+    twin = dict(spec, impl=dict(spec["impl"], name="lora_twin", dora=False))
+    sides = {}
+    for side, side_spec in (("dora", spec), ("lora", twin)):
+        model = build_wrapped(side_spec, rank, device, mesh).train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec["lr"])
+        if zero:
+            model, opt = deepspeed_engine(model, opt, side_spec)
+        proof = ZeroGradProof(model) if zero else ShardedGradProof(model)
+        sides[side] = (model, opt, proof, itertools.cycle(batches(spec, world, proc, device)))
+    timer = mw.Timer(device)
+
+    def step_ms(side: str) -> float:
+        model, opt, proof, data = sides[side]
+        ids, times = next(data), []
+        if not zero:
+            opt.zero_grad(set_to_none=True)
+        with timer.region(times):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            if zero:
+                model.backward(loss)
+                model.step()  # the optimizer step, and the gradients zeroed
+            else:
+                loss.backward()
+                opt.step()
+        if not zero:
+            proof()
+        return times[0]
+
+    out = mw.alternate("train_step_paired", {s: lambda s=s: step_ms(s) for s in sides}, spec["pairs"], warmup=2)
+    for model, _, proof, data in sides.values() if zero else ():  # ZeRO's proof: between a backward and its step
+        ids = next(data)
+        model.backward(model(input_ids=ids, labels=ids, use_cache=False).loss)
+        proof()
+        model.step()
+    samples = torch.tensor([out["samples_ms"], out["lora_samples_ms"]], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(samples, op=dist.ReduceOp.MAX)
+    dora_ms, lora_ms = samples.tolist()
+    ratios = [d / lo for d, lo in zip(dora_ms, lora_ms)]
+    out.update(mw.summary(dora_ms))
+    out.update(lora_median_ms=statistics.median(lora_ms), lora_samples_ms=[round(t, 4) for t in lora_ms],
+               pair_ratios=[round(r, 4) for r in ratios], ratio_median=statistics.median(ratios),
+               grad_proof=sides["dora"][2].result(), lora_grad_proof=sides["lora"][2].result())  # fmt: skip
+    if not out["lora_grad_proof"]["ok"]:  # a LoRA side that did not train makes no ratio either
+        out["grad_proof"] = dict(out["grad_proof"], ok=False)
+    for model, opt, _, _ in sides.values():
+        if zero:
+            model.destroy()
+        else:
+            opt.zero_grad(set_to_none=True)
+    models = [side[:2] for side in sides.values()]
+    sides.clear()
+    mw.release(models)
+    return dict(out, rank=rank)
+
+
 @torch.no_grad()
 def check_norms(model) -> dict:
     """Each DoRA Linear's norm under FSDP2 (this rank's rows, gathered) against the whole norm of the gathered
@@ -518,6 +588,18 @@ def main(spec_path: str) -> int:
                         flush=True,
                     )
                     result_path.write_text(json.dumps(result))
+                if spec.get("pairs") and impl["dora"] and spec["task"] == "train":  # against a LoRA twin model
+                    pair = dict(train_pairs(spec, rank, device, mesh, world, proc), impl=impl["name"])
+                    pair.update(round=spec["round"], mode=spec["precision"])
+                    result["records"].append(pair)
+                    if proc == 0:
+                        print(
+                            f"[{impl['name']} r{spec['round']}] rank {rank}: paired with a LoRA twin, step "
+                            f"{pair['median_ms']:.2f} ms vs {pair['lora_median_ms']:.2f}, ratio median "
+                            f"{pair['ratio_median']:.3f}, proof {pair['grad_proof']['ok']}",
+                            flush=True,
+                        )
+                        result_path.write_text(json.dumps(result))
     except Exception:
         err = traceback.format_exc()
         print(f"[process {proc}] {err}", file=sys.stderr, flush=True)

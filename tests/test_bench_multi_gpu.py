@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -183,14 +184,24 @@ def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
     rc = bench_multi_gpu.main([
         "--device", "cpu", "--shape", "tiny", "--layers", "2", "--ranks", "4", "--seq", "16", "--steps", "2",
         "--warmup", "1", "--rounds", "1", "--nproc", "2", "--impls", ",".join(impls), "--use-installed",
-        "--workdir", str(tmp_path / "work"), "--out", str(out),
+        "--workdir", str(tmp_path / "work"), "--out", str(out), "--pairs", "2",
     ])  # fmt: skip
     doc = json.loads(out.read_text())
     assert rc == 0 and not doc["errors"], doc["errors"]
     assert doc["kind"] == "cpu_smoke" and {r["impl"] for r in doc["records"]} == {*impls, "single"}
     assert [x["impl"] for x in doc["launches"]][-2:] == ["single", "norm_check"]
     assert all(x["world"] == (1 if x["impl"] == "single" else 2) and x["backend"] == "gloo" for x in doc["launches"])
-    for r in doc["records"]:
+    # every DoRA launch also stepped its DoRA against a LoRA twin model in ABBA pairs (two warm-up steps each, then
+    # two pairs), every step's gradients proved, the twin's too; LoRA's own launch and the references did not
+    paired = [r for r in doc["records"] if r["measure"] == "train_step_paired"]
+    assert sorted(r["impl"] for r in paired) == sorted(i for i in impls if i != "lora")
+    for r in paired:
+        assert r["grad_proof"]["ok"] and r["grad_proof"]["steps"] == 4 and r["grad_proof"]["tensors"] == 42
+        assert r["lora_grad_proof"]["ok"] and r["lora_grad_proof"]["tensors"] == 28
+        assert len(r["samples_ms"]) == len(r["lora_samples_ms"]) == len(r["pair_ratios"]) == 2
+        assert r["ratio_median"] == pytest.approx(statistics.median(d / lo for d, lo in
+                                                  zip(r["samples_ms"], r["lora_samples_ms"])), rel=1e-3)  # fmt: skip
+    for r in (r for r in doc["records"] if r["measure"] == "train"):
         assert r["grad_proof"]["ok"] and r["grad_proof"]["steps"] == 3, r["grad_proof"]
         assert r["grad_proof"]["tensors"] == 14 * (3 if r["impl"] != "lora" else 2)
         assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
@@ -209,6 +220,14 @@ def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
     assert whole["losses"] == pytest.approx(ours["losses"], abs=1e-5)
     (row,) = doc["summary"]
     assert all(math.isfinite(row["dora_over_lora"][i]) for i in ("ours", "ours_whole_norm"))
+    assert all(math.isfinite(row["dora_over_lora_paired"][i]) for i in ("ours", "ours_whole_norm"))
+    # the headline's ratio is the pairs' where the run has them, the separate launches' beside it
+    assert doc["headline"]["fsdp2_dora_over_lora_train"] == pytest.approx(
+        row["dora_over_lora_paired"]["ours"], abs=1e-4
+    )
+    assert doc["headline"]["fsdp2_dora_over_lora_train_separate"] == pytest.approx(
+        row["dora_over_lora"]["ours"], abs=1e-4
+    )
     assert all(row["host_issue_ms"][i] > 0 for i in impls)
     # the same rows in one process: equal to the losses' 1e-6 rounding here; one process's rows alone differ by ~1e-2
     assert row["loss_max_abs_diff_vs_single_gpu"] <= 1e-4
@@ -217,7 +236,7 @@ def test_cpu_smoke_runs_the_whole_launcher(tmp_path):
     assert doc["headline"]["sharded_norm_rel_err_vs_unsharded"] == pytest.approx(norms["max_rel_err"], abs=1e-9)
     assert doc["headline"]["multi_gpu_loss_max_abs_diff_vs_single_gpu"] <= 1e-4
     if upstream:
-        assert row["speedup_vs_upstream"] is not None
+        assert row["speedup_vs_upstream"] is not None and row["speedup_vs_upstream_paired"] is not None
         assert row["loss_max_abs_diff_vs_upstream"]["ours"] < 1e-3  # the same seeded model and data
     text = out.read_text()  # no machine paths: the checkout, /tmp and site-packages are placeholders
     assert str(REPO_ROOT) not in text and tempfile.gettempdir() + "/" not in text, text[:2000]
@@ -233,21 +252,46 @@ def test_cpu_smoke_meta_init(tmp_path):
     rc = bench_multi_gpu.main([
         "--device", "cpu", "--shape", "tiny", "--layers", "2", "--ranks", "4", "--seq", "16", "--steps", "2",
         "--warmup", "1", "--rounds", "1", "--nproc", "2", "--impls", "ours,lora", "--use-installed", "--meta-init",
-        "--no-norm-check", "--workdir", str(tmp_path / "work"), "--out", str(out),
+        "--no-norm-check", "--workdir", str(tmp_path / "work"), "--out", str(out), "--pairs", "1",
     ])  # fmt: skip
     doc = json.loads(out.read_text())
     assert rc == 0 and not doc["errors"], doc["errors"]
     assert doc["config"]["meta_init"] and {r["impl"] for r in doc["records"]} == {"ours", "lora"}
-    ours, lora = sorted(doc["records"], key=lambda r: r["impl"] != "ours")
+    train = [r for r in doc["records"] if r["measure"] == "train"]
+    ours, lora = sorted(train, key=lambda r: r["impl"] != "ours")
     assert ours["base_sum"] == lora["base_sum"] and math.isfinite(ours["base_sum"]) and ours["base_sum"] != 0
     for r in (ours, lora):
         assert r["grad_proof"]["ok"] and all(math.isfinite(x) for x in r["losses"]), r
+    # ours against a LoRA twin model that the meta-init built and sharded beside it, both proved
+    (paired,) = [r for r in doc["records"] if r["measure"] == "train_step_paired"]
+    assert paired["impl"] == "ours" and paired["grad_proof"]["ok"] and paired["lora_grad_proof"]["ok"]
     for engine in ("fsdp1", "zero2"):  # they hold whole parameters before they shard
         with pytest.raises(SystemExit, match="meta-init"):
             _cfg("--meta-init", "--engine", engine)
     assert _cfg("--meta-init", "--engine", "zero3")["references"] == []  # built under zero.Init (GPUs only)
     with pytest.raises(SystemExit, match="zero.Init, which needs GPUs"):
         _cfg("--meta-init", "--engine", "zero3", "--device", "cpu")
+
+
+def test_cpu_smoke_pairs_under_zero3(tmp_path):
+    """``--pairs`` under DeepSpeed ZeRO-3: ours and its LoRA twin as two DeepSpeed engines in one launch, stepped in
+    ABBA pairs, each side's gradients proved between a backward and its step (after the pairs, untimed); with ours
+    alone in the run the headline's ratio is the pairs'."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "zero3.json"
+    rc = bench_multi_gpu.main([
+        "--device", "cpu", "--shape", "tiny", "--layers", "2", "--ranks", "4", "--seq", "16", "--steps", "1",
+        "--warmup", "1", "--rounds", "1", "--nproc", "2", "--impls", "ours", "--use-installed", "--engine", "zero3",
+        "--no-single", "--pairs", "2", "--workdir", str(tmp_path / "work"), "--out", str(out),
+    ])  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert rc == 0 and not doc["errors"], doc["errors"]
+    (paired,) = [r for r in doc["records"] if r["measure"] == "train_step_paired"]
+    assert paired["grad_proof"]["ok"] and paired["grad_proof"]["tensors"] == 42
+    assert paired["lora_grad_proof"]["ok"] and paired["lora_grad_proof"]["tensors"] == 28
+    assert len(paired["pair_ratios"]) == 2 and all(x > 0 for x in paired["pair_ratios"])
+    assert doc["headline"]["zero3_dora_over_lora_train"] == pytest.approx(paired["ratio_median"], abs=1e-4)
+    assert "zero3_dora_over_lora_train_separate" not in doc["headline"]  # no LoRA launch to time it against
 
 
 @pytest.mark.slow
@@ -259,13 +303,15 @@ def test_cpu_smoke_qdora_under_fsdp2(tmp_path):
     rc = bench_multi_gpu.main([
         "--device", "cpu", "--shape", "tiny", "--layers", "2", "--ranks", "4", "--seq", "16", "--steps", "1",
         "--warmup", "1", "--rounds", "1", "--nproc", "2", "--impls", "ours,lora", "--use-installed", "--quant", "nf4",
-        "--workdir", str(tmp_path / "work"), "--out", str(out),
+        "--workdir", str(tmp_path / "work"), "--out", str(out), "--pairs", "1",
     ])  # fmt: skip
     doc = json.loads(out.read_text())
     assert rc == 0 and not doc["errors"], doc["errors"]
     assert {r["impl"] for r in doc["records"]} == {"ours", "lora", "single"} and "norm_check" not in doc
     assert all(r["grad_proof"]["ok"] for r in doc["records"])
-    ours = next(r for r in doc["records"] if r["impl"] == "ours")
+    (paired,) = [r for r in doc["records"] if r["measure"] == "train_step_paired"]  # QDoRA against a QLoRA twin
+    assert paired["impl"] == "ours" and paired["lora_grad_proof"]["ok"]
+    ours = next(r for r in doc["records"] if r["impl"] == "ours" and r["measure"] == "train")
     assert ours["tiers"].get("w_sq_reused") and ours["tiers"].get("norm_reused")  # kept on the packed shards
     assert doc["summary"][0]["loss_max_abs_diff_vs_single_gpu"] <= 1e-4
     assert set(doc["headline"]) >= {"qdora_fsdp2_over_qlora_train", "qdora_fsdp2_loss_max_abs_diff_vs_single_gpu"}
