@@ -98,3 +98,45 @@ def test_layers_off_the_current_device_match_the_current_device(mode, placement)
     assert got.keys() == want.keys()
     for key in want:
         assert_close(got[key], want[key])
+
+
+@pytest.mark.parametrize("mode", ("autocast", "bf16"))
+def test_data_parallel_replicas_train_as_one_gpu(mode):
+    """``nn.DataParallel`` over two GPUs (what the transformers Trainer wraps a model in when it sees several GPUs and
+    was not started by a launcher): each forward replicates the DoRA layers, whose replicas share the layers' own
+    state (records, memos, norm graphs) and run in a thread per GPU at once, with the parameters as broadcast copies
+    made afresh per forward. Four AdamW steps on two halves of a batch: the losses, the trained adapter and an eval
+    forward equal the same model trained on one GPU on the whole batch (bf16 noise), and nothing the replicas keep
+    is read across devices or steps (a stale norm would drift the trained magnitudes apart)."""
+    torch.cuda.set_device(0)
+
+    def model_of():
+        return _place(_model(mode, "cuda:0"), "cuda:0", "cuda:0")
+
+    ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if mode == "autocast" else contextlib.nullcontext
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(4, 33, 640, generator=gen).to("cuda:0", torch.bfloat16) for _ in range(4)]
+    runs = {}
+    for name, wrap in (("one", lambda m: m), ("dp", lambda m: nn.DataParallel(m, device_ids=[0, 1]))):
+        model = model_of().train()
+        net = wrap(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        losses = []
+        for x in batches:
+            opt.zero_grad(set_to_none=True)
+            with ctx():
+                loss = net(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        model.eval()
+        with torch.no_grad(), ctx():
+            infer = net(batches[0]).float().cpu()
+        trained = {n: p.detach().float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+        runs[name] = (losses, trained, infer)
+    (l1, t1, i1), (l2, t2, i2) = runs["one"], runs["dp"]
+    assert l1 == pytest.approx(l2, rel=2e-2), (l1, l2)
+    assert t1.keys() == t2.keys() and any("magnitude" in n for n in t1)
+    for n in t1:
+        assert_close(t2[n], t1[n])
+    assert_close(i2, i1)
