@@ -415,6 +415,14 @@ def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, pr
 
 
 def train_pairs(spec: dict, rank: int, device: torch.device, mesh, world: int, proc: int) -> dict:
+    """:func:`_paired_steps`, then both models and optimizers released (gc and the allocator's cache) before the next
+    rank's models are built."""
+    out = _paired_steps(spec, rank, device, mesh, world, proc)
+    mw.release()
+    return out
+
+
+def _paired_steps(spec: dict, rank: int, device: torch.device, mesh, world: int, proc: int) -> dict:
     """The launch's DoRA against a plain-LoRA twin *model* in the same process (``spec["pairs"]`` ABBA pairs of
     training steps, :func:`model_worker.alternate`, after two warm-up steps each): the twin is built, seeded and
     sharded by the same engine (its own base with the same seeded weights, A and B; no magnitudes), with its own
@@ -477,9 +485,7 @@ def train_pairs(spec: dict, rank: int, device: torch.device, mesh, world: int, p
             model.destroy()
         else:
             opt.zero_grad(set_to_none=True)
-    models = [side[:2] for side in sides.values()]
-    sides.clear()
-    mw.release(models)
+    sides.clear()  # the models, optimizers and proofs: gone with this frame (train_pairs collects them)
     return dict(out, rank=rank)
 
 
