@@ -18,6 +18,7 @@ cannot shadow the installed package the parent put first on ``PYTHONPATH``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -336,6 +337,23 @@ def _gather(value) -> list:
     return out
 
 
+def train_step(model, opt, ids: torch.Tensor, zero: bool, proof=None, autocast=None) -> torch.Tensor:
+    """One training step on ``ids`` (labels = inputs): the forward (under ``autocast`` where given), the backward
+    and the optimizer step, DeepSpeed's engine doing both under ZeRO (``zero``: its step also zeroes the gradients,
+    so ``proof``, where given, runs between the two); returns the loss."""
+    with autocast if autocast is not None else contextlib.nullcontext():
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    if zero:
+        model.backward(loss)
+        if proof is not None:
+            proof()
+        model.step()  # the optimizer step, and the gradients zeroed
+    else:
+        loss.backward()
+        opt.step()
+    return loss
+
+
 def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, proc: int) -> dict:
     """One (impl, rank) record: per-step time (the slowest process's), per-step loss (mean over processes), peak over
     static per process, the gradient proof of every step, and for ours the norm counters per step and the tiers.
@@ -357,18 +375,7 @@ def train_rank(spec: dict, rank: int, device: torch.device, mesh, world: int, pr
     seen = [dict(norm_counts or {})]
 
     def step(proof=None):
-        ids = next(data)
-        with autocast:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        if zero:
-            model.backward(loss)
-            if proof is not None:
-                proof()
-            model.step()  # the optimizer step, and the gradients zeroed
-        else:
-            loss.backward()
-            opt.step()
-        losses.append(loss.detach().float())
+        losses.append(train_step(model, opt, next(data), zero, proof, autocast).detach().float())
 
     proof = ZeroGradProof(model) if zero else ShardedGradProof(model)
 
@@ -452,23 +459,14 @@ def _paired_steps(spec: dict, rank: int, device: torch.device, mesh, world: int,
         if not zero:
             opt.zero_grad(set_to_none=True)
         with timer.region(times):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            if zero:
-                model.backward(loss)
-                model.step()  # the optimizer step, and the gradients zeroed
-            else:
-                loss.backward()
-                opt.step()
+            train_step(model, opt, ids, zero)
         if not zero:
             proof()
         return times[0]
 
     out = mw.alternate("train_step_paired", {s: lambda s=s: step_ms(s) for s in sides}, spec["pairs"], warmup=2)
-    for model, _, proof, data in sides.values() if zero else ():  # ZeRO's proof: between a backward and its step
-        ids = next(data)
-        model.backward(model(input_ids=ids, labels=ids, use_cache=False).loss)
-        proof()
-        model.step()
+    for model, opt, proof, data in sides.values() if zero else ():  # ZeRO's proof: between a backward and its step
+        train_step(model, opt, next(data), zero, proof)
     samples = torch.tensor([out["samples_ms"], out["lora_samples_ms"]], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(samples, op=dist.ReduceOp.MAX)

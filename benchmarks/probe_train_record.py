@@ -59,19 +59,19 @@ def _model(cfg, point, dora: bool, device, reentrant: bool = False):
 
 def _stepper(model, cfg, point, device):
     ids, labels = mw.make_inputs(cfg, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-6, foreach=True)
-    first = [True]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6, foreach=True)
+    proof = [mw.GradProof(model)]
 
     def step():
         with mw.precision_ctx(point["mode"], device):
             loss = model(input_ids=ids, labels=labels, use_cache=False).loss
         loss.backward()
-        if first[0]:  # a step that trains nothing would time nothing of the adapters' backward
-            missing = [i for i, p in enumerate(params) if p.grad is None]
-            if missing:
-                raise RuntimeError(f"{len(missing)} of {len(params)} trainable tensors got no gradient")
-            first[0] = False
+        if proof:  # a step that trains nothing would time nothing of the adapters' backward: the first one is proved
+            proof[0]()
+            result = proof.pop().result()
+            if not result["ok"]:
+                raise RuntimeError(f"{result['bad_tensors']} of {result['tensors']} trainable tensors got no finite, "
+                                   f"non-zero gradient: {result['bad_names']}")  # fmt: skip
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
