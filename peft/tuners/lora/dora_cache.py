@@ -56,11 +56,12 @@ def invalidate_norm_caches() -> None:
 
 
 def _after_optimizer_step(optimizer=None, *_args, **_kwargs) -> None:
+    before = _epoch[0]
     _bump_epoch()
     if _zero_watch:
         prefetch_zero_tests()
     if _shard_watch and optimizer is not None:
-        prefetch_shard_zero_tests(optimizer)
+        prefetch_shard_zero_tests(optimizer, before)
     if optimizer is not None:
         for callback in step_callbacks:
             callback(optimizer)
@@ -163,6 +164,12 @@ class Memo:
         self.pins = storage_pins(tensors, self.pins)
         self.refs, self.key, self.value = tuple(weakref.ref(t) for t in tensors), key, value
         return value
+
+    def carry(self, epoch: int) -> None:
+        """Keep a value put at optimizer-step epoch ``epoch`` into the current one: for a step that did not write its
+        tensors (an optimizer that does not hold them). Nothing for a value of another epoch or a ``frozen`` memo."""
+        if self.epoch is _epoch and self.key is not None and self.key[0] == epoch:
+            self.key = (_epoch[0], *self.key[1:])
 
 
 class KeyedMemo:
@@ -615,20 +622,29 @@ def prefetch_zero_tests() -> None:
             known.put((magnitude,), started)
 
 
-def prefetch_shard_zero_tests(optimizer) -> None:
+def prefetch_shard_zero_tests(optimizer, before: Optional[int] = None) -> None:
     """Start the zero test of every sharded magnitude ``optimizer`` has just stepped (FSDP2's, FSDP1's), keyed as the
     next forward asks (``KeyedMemo``: FSDP2's local shard with the sharded parameter's new version and the gathered
     copy's, which FSDP2's next gather keeps; FSDP1's local flat shard with the flat and original parameters'
     versions). Each rank tests its own shards (one test per device and group) and one all-reduce (max) gives every
     rank the answer for the whole magnitudes: the engine steps a sharded optimizer on every rank of the group, so
     each rank reaches this collective, in the same order. A group of None (FSDP1's ``NO_SHARD``) holds the whole
-    magnitudes on every rank: no collective. Magnitudes of other optimizers are left alone."""
+    magnitudes on every rank: no collective. Magnitudes this optimizer does not hold keep their answers (it wrote
+    none of them; ``before``: the epoch this step ended, whose answers are carried into the new one): without that a
+    second optimizer in the process (a head's, another model's: a LoRA twin's in the multi-GPU benchmark's pairs)
+    sent every DoRA module's next forward to test its gathered magnitude on the host, one GPU sync per module. That
+    takes an optimizer to write only the parameters it holds, which the engines' optimizers over sharded parameters
+    do; plain magnitudes are all tested again after any step (``prefetch_zero_tests``), since DeepSpeed ZeRO-1/2
+    steps fp32 copies and writes the magnitudes afterwards."""
     import torch.distributed as dist
 
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     batches: dict = {}  # (device, group) -> (group, [(memo, keys, tested tensor, versions)])
     for param, slots in list(_shard_watch.items()):
         if id(param) not in stepped:
+            if before is not None:
+                for memo, _, _ in slots.values():
+                    memo.carry(before)
             continue
         for memo, keys, (tested, versions, group) in list(slots.values()):
             local, extra = tested(), versions()

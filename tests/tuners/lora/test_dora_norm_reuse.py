@@ -511,6 +511,39 @@ def test_memo_keys_a_torch_function_subclass_without_calling_it():
     assert memo.get((weight, plain)) is None
 
 
+def test_memo_carried_over_an_optimizer_step_only_from_the_epoch_it_ended():
+    """``Memo.carry(epoch)`` (the sharded magnitudes' zero-test answers across a step of an optimizer that does not
+    hold them) keeps a value put at the epoch that step ended, as if put again now, and nothing else: not a value put
+    before an earlier step, not a frozen memo's (keyed on merges, which steps do not end), and the carried value
+    still misses once its tensors change."""
+    from peft.tuners.lora import dora_cache
+
+    m = torch.randn(8)
+    other = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([other], lr=0.1)
+
+    def step() -> int:  # the epoch the step ends
+        before = dora_cache._epoch[0]
+        other.grad = torch.ones(2)
+        opt.step()
+        return before
+
+    kept, old, frozen = dora_cache.Memo(), dora_cache.Memo(), dora_cache.Memo(frozen=True)
+    old.put((m,), True)
+    step()
+    kept.put((m,), True)
+    frozen.put((m,), True)
+    ended = step()
+    assert kept.get((m,)) is None and old.get((m,)) is None  # the step ended both
+    for memo in (kept, old, frozen):
+        memo.carry(ended)
+    assert kept.get((m,)) is True
+    assert old.get((m,)) is None  # put before the step before: not carried
+    assert frozen.get((m,)) is True and frozen.key[0] == dora_cache._merge_epoch[0]  # untouched
+    m.add_(1.0)
+    assert kept.get((m,)) is None
+
+
 def test_base_layer_fast_path_matches_get_base_layer():
     """``dora._base_layer`` skips ``get_base_layer()``'s attribute probe where the wrapped layer has no ``base_layer``
     of its own, and defers to it where it has one (a module, an attribute or a property)."""
