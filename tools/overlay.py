@@ -46,7 +46,7 @@ from .dora import (  # noqa: E402, F401, F811
 DOC_EDITS = (
     (
         "helpers.py",
-        "With active caching, the materialized LoRA weight (B @ A) and the weight norm (base weight + LoRA weight) are\n"
+        "With active caching, the materialized LoRA weight (B @ A) and the weight norm (base weight + LoRA weight) are\n"  # noqa: E501
         "    cached.",
         "With active caching, the weight norm of (base weight + LoRA weight) is cached; this DoRA never materializes\n"
         "    the LoRA weight (B @ A), so there is nothing else to cache.",
