@@ -59,7 +59,7 @@ def _after_optimizer_step(optimizer=None, *_args, **_kwargs) -> None:
     before = _epoch[0]
     _bump_epoch()
     if _zero_watch:
-        prefetch_zero_tests()
+        prefetch_zero_tests(optimizer, before)
     if _shard_watch and optimizer is not None:
         prefetch_shard_zero_tests(optimizer, before)
     if optimizer is not None:
@@ -165,11 +165,14 @@ class Memo:
         self.refs, self.key, self.value = tuple(weakref.ref(t) for t in tensors), key, value
         return value
 
-    def carry(self, epoch: int) -> None:
+    def carry(self, epoch: int) -> bool:
         """Keep a value put at optimizer-step epoch ``epoch`` into the current one: for a step that did not write its
-        tensors (an optimizer that does not hold them). Nothing for a value of another epoch or a ``frozen`` memo."""
+        tensors (an optimizer that does not hold them). Nothing for a value of another epoch or a ``frozen`` memo.
+        Whether it was carried."""
         if self.epoch is _epoch and self.key is not None and self.key[0] == epoch:
             self.key = (_epoch[0], *self.key[1:])
+            return True
+        return False
 
 
 class KeyedMemo:
@@ -504,6 +507,7 @@ class LayerReuse:
 # ---------------------------------------------------------------------------------------------------------------
 
 _zero_watch = WeakIdKeyDictionary()  # magnitude -> its layer's ``zero_free`` memo, for prefetch_zero_tests
+_zero_owned = WeakIdKeyDictionary()  # watched magnitudes an optimizer holding them has stepped (prefetch_zero_tests)
 # the parameter an optimizer steps (FSDP2's sharded magnitude; FSDP1's original or flat parameter) -> {slot: (memo,
 # memo keys, (tested, versions, group))} (``dora_dist.MagnitudeShard.watch``), for prefetch_shard_zero_tests
 _shard_watch = WeakIdKeyDictionary()
@@ -591,26 +595,38 @@ def prefetch_zero_test(magnitude: torch.Tensor, known: Memo) -> None:
     known.put((magnitude,), _start(_has_zero(magnitude)))
 
 
-def prefetch_zero_tests() -> None:
-    """Start the zero test of every magnitude a training node has asked about, after an optimizer step changed
+def prefetch_zero_tests(optimizer=None, before: Optional[int] = None) -> None:
+    """Start the zero test of every magnitude a training node has asked about, after ``optimizer``'s step changed
     them: one test per device for all of them (a zero anywhere sends every node of that device to the saved
     buffer until the next step), so the next forwards find the answer instead of waiting for the GPU, once per
     module and step, under non-reentrant checkpointing or none.
 
-    Magnitudes that do not require a gradient now are tested too: every optimizer step ends every memo (the epoch),
-    also the step of an optimizer that never saw them. Two adapters trained in turn (``set_adapter`` freezes the
-    inactive one) would otherwise find their answers gone after the other adapter's step, and wait for the GPU once
-    per module in their next forward.
+    Every optimizer step ends every memo (the epoch), also the step of an optimizer that never saw these
+    magnitudes. A magnitude that an optimizer holds and has stepped before is written by that one: another
+    optimizer's step keeps its answer (``before``: the epoch that step ended; ``Memo.carry``) instead of testing it
+    again. Two adapters trained in turn (``set_adapter`` freezes the inactive one, each with its own optimizer, as
+    the grid's paired steps run a DoRA adapter and its LoRA twin) would otherwise find their answers gone after the
+    other adapter's step and wait for the GPU once per module in their next forward, or have the other's step test
+    them all again. Any other magnitude is tested again after every step: one no optimizer has stepped yet, or one
+    that none holds, as under DeepSpeed ZeRO-1/2, whose optimizer steps fp32 copies and writes the magnitudes
+    afterwards.
 
     CPU magnitudes are tested here too, synchronously (nothing runs ahead there): one test per step for all of them
     instead of one per module in the next forwards."""
+    stepped = None if optimizer is None else {id(p) for group in optimizer.param_groups for p in group["params"]}
     by_device: dict = {}
     for magnitude, known in list(_zero_watch.items()):
         if not storage_holds(magnitude):
             # FSDP's gathered parameter between its layer's passes: the storage is freed (resized to nothing) and
             # reading it is an illegal memory access; the next gather writes new values anyway (a new version)
             del _zero_watch[magnitude]
-        elif magnitude.device.type in _PREFETCHED:
+            continue
+        if stepped is not None:
+            if id(magnitude) in stepped:
+                _zero_owned[magnitude] = True
+            elif before is not None and magnitude in _zero_owned and known.carry(before):
+                continue  # another optimizer writes it, and has not stepped since its answer
+        if magnitude.device.type in _PREFETCHED:
             by_device.setdefault(magnitude.device, []).append((magnitude, known))
     for device, watched in by_device.items():
         cuda = device.type == "cuda"
@@ -633,9 +649,8 @@ def prefetch_shard_zero_tests(optimizer, before: Optional[int] = None) -> None:
     none of them; ``before``: the epoch this step ended, whose answers are carried into the new one): without that a
     second optimizer in the process (a head's, another model's: a LoRA twin's in the multi-GPU benchmark's pairs)
     sent every DoRA module's next forward to test its gathered magnitude on the host, one GPU sync per module. That
-    takes an optimizer to write only the parameters it holds, which the engines' optimizers over sharded parameters
-    do; plain magnitudes are all tested again after any step (``prefetch_zero_tests``), since DeepSpeed ZeRO-1/2
-    steps fp32 copies and writes the magnitudes afterwards."""
+    takes an optimizer to write only the parameters it holds, which the optimizers over FSDP's sharded parameters
+    do."""
     import torch.distributed as dist
 
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}

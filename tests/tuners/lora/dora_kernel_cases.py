@@ -325,8 +325,9 @@ def test_layer_asks_for_zeros_in_m_once_per_value():
 def test_cpu_zero_test_once_per_step_in_the_step_hook():
     """On a CPU the optimizer-step hook tests the magnitudes too (on a GPU it starts that test ahead of the forwards):
     after the first step no training node tests its own magnitude, the hook's one test of all of them per step is
-    all. A zero that a step writes (through ``.data``, as optimizers write) is seen by the next forward's nodes, which
-    then keep inner, with the eager tier's d_m."""
+    all. The step of an optimizer that does not hold them tests none (their own optimizer writes them). A zero that a
+    step writes (through ``.data``, as optimizers write) is seen by the next forward's nodes, which then keep inner,
+    with the eager tier's d_m."""
     from torch import nn
 
     from peft import LoraConfig, get_peft_model
@@ -361,11 +362,21 @@ def test_cpu_zero_test_once_per_step_in_the_step_hook():
         assert [step(opt) for _ in range(4)] == [2 + 1, 1, 1, 1]  # step 1: each node asks, then the hook tests
         assert all(layer._reuse.zero_free.value is True for layer in layers)
         calls[0] = 0
+        other = torch.optim.SGD([nn.Parameter(torch.ones(3))], lr=0.1)  # holds none of the magnitudes
+        other.param_groups[0]["params"][0].grad = torch.ones(3)
+        other.step()
+        assert calls[0] == 0  # the magnitudes' own optimizer writes them: their answers are kept, none tested
+        assert all(layer._reuse.zero_free.get((layer.weight,)) is True for layer in layers)
         Zeroing([layers[0].weight], {}).step()
-        assert calls[0] == 1  # the hook, after every optimizer's step
+        assert calls[0] == 1  # the hook tests what the stepped optimizer holds, once for all of it
+        assert layers[0]._reuse.zero_free.value is False  # the zero it wrote
+        assert layers[1]._reuse.zero_free.get((layers[1].weight,)) is True  # not held by it: kept
+        calls[0] = 0
+        Zeroing([layers[0].weight, layers[1].weight], {}).step()  # holds both, the zero in the first
+        assert calls[0] == 1
         assert all(layer._reuse.zero_free.value is False for layer in layers)  # a zero anywhere: every node keeps inner
         model.zero_grad()
-        assert step(opt) == 1  # the nodes found the hook's answer; the hook tested again after this step
+        assert step(opt) == 1  # the nodes found the hook's answers; the hook tested again after this step
         layers[0].weight.grad = None
         with torch.no_grad():
             layers[0].weight[3] = 0.0  # in place (a new version): the node tests once more and keeps inner
@@ -379,6 +390,43 @@ def test_cpu_zero_test_once_per_step_in_the_step_hook():
         assert_close(fused_grad, layers[0].weight.grad, dtype=torch.float32)
     finally:
         dora_cache._has_zero = has_zero
+
+
+def test_zero_test_after_an_optimizer_that_steps_copies():
+    """An optimizer that holds fp32 copies instead of the magnitudes and writes them afterwards (DeepSpeed ZeRO-1/2's
+    way) never makes a magnitude "owned": the hook tests every such magnitude again after each of its steps, so the
+    zero it writes is seen by the next forward's node (which then keeps inner), never a kept answer from before."""
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import dora_cache
+
+    torch.manual_seed(0)
+    config = LoraConfig(target_modules=["0"], use_dora=True, init_lora_weights=False, r=4)
+    model = get_peft_model(nn.Sequential(nn.Linear(24, 40)), config)
+    magnitude = model.base_model.model[0].lora_magnitude_vector["default"]
+
+    class Copies(torch.optim.Optimizer):  # steps fp32 copies, then writes them into the model's tensors
+        def __init__(self, params):
+            self.targets = list(params)
+            super().__init__([t.detach().clone() for t in self.targets], {})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            copies = self.param_groups[0]["params"]
+            copies[-1][5] = 0.0  # the magnitude is the last trainable tensor
+            for target, copy in zip(self.targets, copies):
+                target.data.copy_(copy)
+
+    opt = Copies([p for p in model.parameters() if p.requires_grad])
+    assert opt.targets[-1] is magnitude.weight
+    x = torch.randn(5, 24)
+    model(x).square().mean().backward()  # the node asks: no zero yet
+    assert magnitude._reuse.zero_free.value is True
+    opt.step()
+    assert magnitude.weight[5] == 0
+    assert magnitude._reuse.zero_free.get((magnitude.weight,)) is False  # tested again after the step
+    assert magnitude.weight not in dora_cache._zero_owned
 
 
 def test_output_with_a_zero_magnitude_keeps_inner():

@@ -215,8 +215,9 @@ def test_eval_forward_adds_no_host_sync(kind):
 def test_two_adapters_trained_in_turn_do_not_wait_for_the_gpu():
     """Two DoRA adapters trained in turn, each with its own optimizer (``set_adapter`` freezes the inactive one), as
     the grid's paired steps run them: every optimizer step ends every memo, so the other adapter's step also ends
-    this one's zero-test answers; the step hook restarts the tests of frozen magnitudes too. Before that, each
-    adapter's first forward after the other's step waited for the GPU once per DoRA module."""
+    this one's zero-test answers; the step hook keeps the answers of the magnitudes the stepped optimizer does not
+    hold (their own optimizer writes them). Before that, each adapter's first forward after the other's step waited
+    for the GPU once per DoRA module."""
     model = get_peft_model(
         PlainNet(), LoraConfig(r=16, target_modules=["up", "down"], use_dora=True, init_lora_weights=False)
     )
