@@ -139,10 +139,11 @@ class Memo:
     computed from, held weakly (:func:`storage_pins`), so that "the same storage" means that storage and not a new
     one at a freed one's address."""
 
-    __slots__ = ("refs", "key", "value", "epoch", "pins")
+    __slots__ = ("refs", "key", "value", "epoch", "pins", "owner")
 
     def __init__(self, frozen: bool = False):
         self.epoch = _merge_epoch if frozen else _epoch
+        self.owner = None  # a magnitude's zero-test memo: a weak reference to it once its optimizer has stepped it
         self.clear()
 
     def clear(self) -> None:
@@ -507,7 +508,6 @@ class LayerReuse:
 # ---------------------------------------------------------------------------------------------------------------
 
 _zero_watch = WeakIdKeyDictionary()  # magnitude -> its layer's ``zero_free`` memo, for prefetch_zero_tests
-_zero_owned = WeakIdKeyDictionary()  # watched magnitudes an optimizer holding them has stepped (prefetch_zero_tests)
 # the parameter an optimizer steps (FSDP2's sharded magnitude; FSDP1's original or flat parameter) -> {slot: (memo,
 # memo keys, (tested, versions, group))} (``dora_dist.MagnitudeShard.watch``), for prefetch_shard_zero_tests
 _shard_watch = WeakIdKeyDictionary()
@@ -616,17 +616,18 @@ def prefetch_zero_tests(optimizer=None, before: Optional[int] = None) -> None:
     stepped = None if optimizer is None else {id(p) for group in optimizer.param_groups for p in group["params"]}
     by_device: dict = {}
     for magnitude, known in list(_zero_watch.items()):
+        if stepped is not None:
+            owner = known.owner
+            if id(magnitude) in stepped:
+                if owner is None or owner() is not magnitude:
+                    known.owner = weakref.ref(magnitude)
+            elif before is not None and owner is not None and owner() is magnitude and known.carry(before):
+                continue  # another optimizer writes it, and has not stepped since its answer
         if not storage_holds(magnitude):
             # FSDP's gathered parameter between its layer's passes: the storage is freed (resized to nothing) and
             # reading it is an illegal memory access; the next gather writes new values anyway (a new version)
             del _zero_watch[magnitude]
-            continue
-        if stepped is not None:
-            if id(magnitude) in stepped:
-                _zero_owned[magnitude] = True
-            elif before is not None and magnitude in _zero_owned and known.carry(before):
-                continue  # another optimizer writes it, and has not stepped since its answer
-        if magnitude.device.type in _PREFETCHED:
+        elif magnitude.device.type in _PREFETCHED:
             by_device.setdefault(magnitude.device, []).append((magnitude, known))
     for device, watched in by_device.items():
         cuda = device.type == "cuda"
