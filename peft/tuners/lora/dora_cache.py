@@ -162,8 +162,14 @@ class Memo:
 
     def put(self, tensors, value: torch.Tensor, extra=()) -> torch.Tensor:
         key = self._key(tensors, extra)
-        self.pins = storage_pins(tensors, self.pins)
-        self.refs, self.key, self.value = tuple(weakref.ref(t) for t in tensors), key, value
+        # the pins and references of the last put where they are these storages' and tensors' (the optimizer-step
+        # hook puts every watched magnitude's answer anew after each step): the key has the storages already
+        pins = self.pins
+        if not pins or tuple(pin.cdata for pin in pins) != tuple(k[0] for k in key[2]):
+            pins = storage_pins(tensors)
+        if not same_objects(self.refs, tensors):
+            self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.pins, self.key, self.value = pins, key, value
         return value
 
     def carry(self, epoch: int) -> bool:
@@ -570,8 +576,13 @@ def storage_holds(t: torch.Tensor) -> bool:
 def _has_zero(*magnitudes: torch.Tensor) -> torch.Tensor:
     """A bool scalar on the magnitudes' device: some entry is zero, infinite, NaN or so small that its reciprocal
     overflows (``m·(1/m)`` is not finite), where ``inner`` cannot be read back from ``g·inner``."""
-    m = torch.cat([t.detach().reshape(-1) for t in magnitudes]) if len(magnitudes) > 1 else magnitudes[0].detach()
-    return torch.isfinite(m * m.reciprocal()).logical_not_().any()
+    with torch.no_grad():  # a Linear's magnitudes are 1-D already: no detach or reshape per magnitude
+        m = (
+            torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in magnitudes])
+            if len(magnitudes) > 1
+            else magnitudes[0]
+        )
+        return torch.isfinite(m * m.reciprocal()).logical_not_().any()
 
 
 def _start(has_zero: torch.Tensor):
