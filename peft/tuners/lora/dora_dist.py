@@ -118,7 +118,8 @@ class NormShards:
         the DTensor's own counter moves (writes to the local tensor itself, as FSDP2's state-dict loading does, move
         the local one, part of the memo's key). With ``reshard_after_forward=False`` an edit between eval forwards
         reaches the gathered copy only (FSDP2 gathers it again only after a reshard)."""
-        return sum((shard_versions(p, t) for p, t in zip(self.params, self.gathered)), ())
+        (p0, p1, p2), (g0, g1, g2) = self.params, self.gathered  # W, A, B: spelled out, on every forward's path
+        return p0._version, g0._version, p1._version, g1._version, p2._version, g2._version
 
 
 def shard_versions(param: torch.Tensor, gathered: torch.Tensor) -> tuple:
