@@ -307,7 +307,9 @@ class DoraLinearLayer(nn.Module):
 
         zero_free = self._reuse.zero_free
         if self.training and gates.fused:
-            shard = dora_dist.magnitude_shard(magnitude)
+            shard = self._reuse.magnitude_shard
+            if shard is None or not shard.holds(magnitude):
+                shard = self._reuse.magnitude_shard = dora_dist.magnitude_shard(magnitude)
             if shard is None:
                 shard = dora_dist.flat_magnitude(magnitude)
             if shard is not None:  # FSDP2, FSDP1: the answer is kept for the magnitude's shard, not its gathered copy

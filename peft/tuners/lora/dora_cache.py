@@ -452,14 +452,15 @@ class LayerReuse:
     unit's row norms, ``(NormGraph, A buffers)``: one CUDA graph for the rows of all of them (``DoraLinearLayer.
     _unit_rows_graphed``). ``train``: the latest training forward on the one-node branch (:class:`TrainRecord`),
     which answers the next training forwards and recomputes ahead of the gates while its objects, layouts, state and
-    norm record hold.
+    norm record hold. ``magnitude_shard``: under FSDP2, the magnitude's ``dora_dist.MagnitudeShard`` (what its zero
+    test is kept on), while it holds (``MagnitudeShard.holds``).
     ``clear`` forgets all of it; copies and pickles of a layer start empty.
     """
 
     __slots__ = (
         "norm", "w_sq", "scale", "factors", "rows", "scaled_b", "graph", "decode", "zero_free", "batched", "record",
         "small", "one_pass", "small_cached", "one_pass_cached", "shards", "decode_record", "decode_record_cached",
-        "unit_rows", "train",
+        "unit_rows", "train", "magnitude_shard",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -470,7 +471,7 @@ class LayerReuse:
         self.decode = self.record = self.scaled_b = self.shards = None
         self.small = self.one_pass = self.small_cached = self.one_pass_cached = None
         self.decode_record = self.decode_record_cached = None
-        self.unit_rows = self.train = None
+        self.unit_rows = self.train = self.magnitude_shard = None
 
     def eval_records(self, caching: bool) -> tuple:
         """(small, one-pass) eval records kept for ``DoraCaching`` on (``caching``) or off: a pair each, so forwards
@@ -497,7 +498,7 @@ class LayerReuse:
             memo.clear()
         self.rows, self.decode, self.record, self.scaled_b, self.shards = (), None, None, None, None
         self.small = self.one_pass = self.small_cached = self.one_pass_cached = None
-        self.decode_record = self.decode_record_cached = self.train = None
+        self.decode_record = self.decode_record_cached = self.train = self.magnitude_shard = None
         if graph:
             self.graph.clear()
             self.unit_rows = None
