@@ -392,6 +392,60 @@ def test_cpu_zero_test_once_per_step_in_the_step_hook():
         dora_cache._has_zero = has_zero
 
 
+def test_two_adapters_trained_in_turn_test_only_their_own_magnitudes():
+    """Two DoRA adapters of one model trained in turn, each with its own optimizer (``set_adapter`` freezes the
+    other), as the grid's pairs run a DoRA adapter beside its twin: after each adapter's first step, its step hook
+    tests its own magnitudes once and keeps the other adapter's answers (their optimizer did not step), and no
+    training node tests on the host; a kept answer whose magnitude is then edited in place (a new version) is not
+    taken: the node tests it afresh and finds the zero."""
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import dora_cache
+
+    torch.manual_seed(0)
+    config = dict(target_modules=["0", "1"], use_dora=True, init_lora_weights=False)
+    model = get_peft_model(nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 16)), LoraConfig(r=4, **config))
+    model.add_adapter("other", LoraConfig(r=2, **config))
+    optimizers = {}
+    for name in ("default", "other"):
+        model.set_adapter(name)
+        optimizers[name] = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    x = torch.randn(5, 24)
+    tested, has_zero = [], dora_cache._has_zero
+
+    def counted(*magnitudes):
+        tested.append(len(magnitudes))
+        return has_zero(*magnitudes)
+
+    def step(name: str) -> list:
+        tested.clear()
+        model.set_adapter(name)
+        model(x).square().mean().backward()
+        optimizers[name].step()
+        optimizers[name].zero_grad()
+        return list(tested)
+
+    dora_cache._has_zero = counted
+    try:
+        assert step("default") == [1, 1, 2]  # its two nodes ask once each, then its hook tests both
+        assert step("other") == [1, 1, 2]  # likewise: its own two; the first adapter's, stepped by theirs, kept
+        for _ in range(3):
+            assert step("default") == [2]  # the hook's one test of its own two; "other"'s answers kept
+            assert step("other") == [2]
+        magnitude = model.base_model.model[1].lora_magnitude_vector["other"].weight
+        with torch.no_grad():
+            magnitude[0] = 0.0  # an edit outside any optimizer: a new version, so the node tests it afresh
+        model.set_adapter("other")
+        layer = model.base_model.model[1].lora_magnitude_vector["other"]
+        tested.clear()
+        model(x).square().mean().backward()
+        assert tested == [1] and layer._reuse.zero_free.value is False
+        model.zero_grad()
+    finally:
+        dora_cache._has_zero = has_zero
+
+
 def test_zero_test_after_an_optimizer_that_steps_copies():
     """An optimizer that holds fp32 copies instead of the magnitudes and writes them afterwards (DeepSpeed ZeRO-1/2's
     way) never makes a magnitude "owned": the hook tests every such magnitude again after each of its steps, so the
