@@ -58,10 +58,14 @@ def invalidate_norm_caches() -> None:
 def _after_optimizer_step(optimizer=None, *_args, **_kwargs) -> None:
     before = _epoch[0]
     _bump_epoch()
+    # the ids of the parameters the stepped optimizer holds: what both zero-test prefetches ask, found once
+    stepped = None
+    if optimizer is not None and (_zero_watch or _shard_watch):
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if _zero_watch:
-        prefetch_zero_tests(optimizer, before)
-    if _shard_watch and optimizer is not None:
-        prefetch_shard_zero_tests(optimizer, before)
+        prefetch_zero_tests(stepped, before)
+    if _shard_watch and stepped is not None:
+        prefetch_shard_zero_tests(stepped, before)
     if optimizer is not None:
         for callback in step_callbacks:
             callback(optimizer)
@@ -607,11 +611,12 @@ def prefetch_zero_test(magnitude: torch.Tensor, known: Memo) -> None:
     known.put((magnitude,), _start(_has_zero(magnitude)))
 
 
-def prefetch_zero_tests(optimizer=None, before: Optional[int] = None) -> None:
-    """Start the zero test of every magnitude a training node has asked about, after ``optimizer``'s step changed
-    them: one test per device for all of them (a zero anywhere sends every node of that device to the saved
-    buffer until the next step), so the next forwards find the answer instead of waiting for the GPU, once per
-    module and step, under non-reentrant checkpointing or none.
+def prefetch_zero_tests(stepped: Optional[set] = None, before: Optional[int] = None) -> None:
+    """Start the zero test of every magnitude a training node has asked about, after an optimizer step changed
+    them (``stepped``: the ids of the parameters that optimizer holds; None: test them all): one test per device for
+    all of them (a zero anywhere sends every node of that device to the saved buffer until the next step), so the
+    next forwards find the answer instead of waiting for the GPU, once per module and step, under non-reentrant
+    checkpointing or none.
 
     Every optimizer step ends every memo (the epoch), also the step of an optimizer that never saw these
     magnitudes. A magnitude that an optimizer holds and has stepped before is written by that one: another
@@ -625,7 +630,6 @@ def prefetch_zero_tests(optimizer=None, before: Optional[int] = None) -> None:
 
     CPU magnitudes are tested here too, synchronously (nothing runs ahead there): one test per step for all of them
     instead of one per module in the next forwards."""
-    stepped = None if optimizer is None else {id(p) for group in optimizer.param_groups for p in group["params"]}
     by_device: dict = {}
     for magnitude, known in list(_zero_watch.items()):
         if stepped is not None:
@@ -651,22 +655,21 @@ def prefetch_zero_tests(optimizer=None, before: Optional[int] = None) -> None:
             known.put((magnitude,), started)
 
 
-def prefetch_shard_zero_tests(optimizer, before: Optional[int] = None) -> None:
-    """Start the zero test of every sharded magnitude ``optimizer`` has just stepped (FSDP2's, FSDP1's), keyed as the
-    next forward asks (``KeyedMemo``: FSDP2's local shard with the sharded parameter's new version and the gathered
-    copy's, which FSDP2's next gather keeps; FSDP1's local flat shard with the flat and original parameters'
-    versions). Each rank tests its own shards (one test per device and group) and one all-reduce (max) gives every
-    rank the answer for the whole magnitudes: the engine steps a sharded optimizer on every rank of the group, so
-    each rank reaches this collective, in the same order. A group of None (FSDP1's ``NO_SHARD``) holds the whole
-    magnitudes on every rank: no collective. Magnitudes this optimizer does not hold keep their answers (it wrote
-    none of them; ``before``: the epoch this step ended, whose answers are carried into the new one): without that a
-    second optimizer in the process (a head's, another model's: a LoRA twin's in the multi-GPU benchmark's pairs)
-    sent every DoRA module's next forward to test its gathered magnitude on the host, one GPU sync per module. That
-    takes an optimizer to write only the parameters it holds, which the optimizers over FSDP's sharded parameters
-    do."""
+def prefetch_shard_zero_tests(stepped: set, before: Optional[int] = None) -> None:
+    """Start the zero test of every sharded magnitude an optimizer has just stepped (FSDP2's, FSDP1's; ``stepped``: the
+    ids of the parameters that optimizer holds), keyed as the next forward asks (``KeyedMemo``: FSDP2's local shard
+    with the sharded parameter's new version and the gathered copy's, which FSDP2's next gather keeps; FSDP1's local
+    flat shard with the flat and original parameters' versions). Each rank tests its own shards (one test per device
+    and group) and one all-reduce (max) gives every rank the answer for the whole magnitudes: the engine steps a
+    sharded optimizer on every rank of the group, so each rank reaches this collective, in the same order. A group of
+    None (FSDP1's ``NO_SHARD``) holds the whole magnitudes on every rank: no collective. Magnitudes this optimizer
+    does not hold keep their answers (it wrote none of them; ``before``: the epoch this step ended, whose answers are
+    carried into the new one): without that a second optimizer in the process (a head's, another model's: a LoRA
+    twin's in the multi-GPU benchmark's pairs) sent every DoRA module's next forward to test its gathered magnitude
+    on the host, one GPU sync per module. That takes an optimizer to write only the parameters it holds, which the
+    optimizers over FSDP's sharded parameters do."""
     import torch.distributed as dist
 
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     batches: dict = {}  # (device, group) -> (group, [(memo, keys, tested tensor, versions)])
     for param, slots in list(_shard_watch.items()):
         if id(param) not in stepped:

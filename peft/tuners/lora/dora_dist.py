@@ -95,10 +95,7 @@ class NormShards:
         :meth:`holds` asks beside the gathered objects)."""
         if self.env is not dora_settings.current() or not _module_state_mapping:
             return False
-        return all(
-            getattr(fp, "sharded_param", None) is p and getattr(p, "_local_tensor", None) is k
-            for fp, p, k in zip(self.fsdp_params, self.params, self.keys)
-        )
+        return all(_still_sharded(fp, p, k) for fp, p, k in zip(self.fsdp_params, self.params, self.keys))
 
     def local_as_gathered(self, i: int) -> torch.Tensor:
         """The rank's local shard of W (0), A (1) or B (2) in its gathered copy's dtype, as FSDP2's mixed precision
@@ -118,8 +115,14 @@ class NormShards:
         the DTensor's own counter moves (writes to the local tensor itself, as FSDP2's state-dict loading does, move
         the local one, part of the memo's key). With ``reshard_after_forward=False`` an edit between eval forwards
         reaches the gathered copy only (FSDP2 gathers it again only after a reshard)."""
-        (p0, p1, p2), (g0, g1, g2) = self.params, self.gathered  # W, A, B: spelled out, on every forward's path
-        return p0._version, g0._version, p1._version, g1._version, p2._version, g2._version
+        (p0, p1, p2), (g0, g1, g2) = self.params, self.gathered  # W, A, B: no generator, on every forward's path
+        return shard_versions(p0, g0) + shard_versions(p1, g1) + shard_versions(p2, g2)
+
+
+def _still_sharded(fp, param: torch.Tensor, local: torch.Tensor) -> bool:
+    """Whether FSDP2's ``FSDPParam`` ``fp`` still holds ``param`` as its sharded parameter with ``local`` as its local
+    shard (FSDP2 may swap both, e.g. loading a state dict with ``assign``)."""
+    return getattr(fp, "sharded_param", None) is param and getattr(param, "_local_tensor", None) is local
 
 
 def shard_versions(param: torch.Tensor, gathered: torch.Tensor) -> tuple:
@@ -262,10 +265,7 @@ class MagnitudeShard:
         between forwards (``LayerReuse.magnitude_shard``): finding it anew took ~8 µs per training forward."""
         if self.gathered is not magnitude or not _module_state_mapping or self.fsdp_param is None:
             return False
-        fp = self.fsdp_param()
-        return getattr(fp, "sharded_param", None) is self.param and getattr(self.param, "_local_tensor", None) is (
-            self.local
-        )
+        return _still_sharded(self.fsdp_param(), self.param, self.local)
 
     def versions(self) -> tuple:
         return shard_versions(self.param, self.gathered)
