@@ -173,6 +173,30 @@ def _null_step(model, dora: bool):
     return opt.step if dora else _without_dora_step_hook(opt.step)
 
 
+def _step_before_forward(args, model, dora: bool):
+    """What runs, untimed, before each ``train-forward`` call: as between training steps, an optimizer step (the
+    versions move, DoRA's step hook runs). Under non-reentrant checkpointing (or none) :func:`_null_step`. Under
+    ``--reentrant`` a whole training step (forward, backward, AdamW) instead: there the forward runs without
+    autograd, and what a DoRA layer answers it from (its training record) is made by the grad-enabled recompute in
+    the backward, which forwards alone never run; timed after null steps, every such forward took the full path."""
+    if not args.reentrant or not args.checkpointing:
+        return _null_step(model, dora)
+    full = argparse.Namespace(**{**vars(args), "measure": "train"})
+    step, x = _bare_step_fn(full, model), None
+
+    def train_step():
+        nonlocal x
+        if x is None:
+            x = torch.randn(args.tokens, args.dim, dtype=args.dtype, requires_grad=True)
+        if args.autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                step(x)
+        else:
+            step(x)
+
+    return train_step
+
+
 def _without_dora_step_hook(optimizer_step):
     """The LoRA model's optimizer step without DoRA's global optimizer-step hook (``dora_cache._after_optimizer_step``):
     in this one process it would test the DoRA model's magnitudes after LoRA's step too, work a LoRA-only process
@@ -268,7 +292,7 @@ def run(args) -> dict:
     # versions move and DoRA's step hook runs (the magnitudes' zero test, the epoch) as between training steps
     before = None
     if args.measure == "train-forward":
-        before = {kind: _null_step(model, kind != "lora") for kind, model in models.items()}
+        before = {kind: _step_before_forward(args, model, kind != "lora") for kind, model in models.items()}
     x = torch.randn(args.tokens, args.dim, dtype=args.dtype, requires_grad=args.measure != "eval")
     for fn in fns.values():  # warm-up: first calls, norm graphs and memos, optimizer state
         for _ in range(3):
