@@ -75,6 +75,17 @@ def test_train_forward_times_a_training_steps_forward_after_each_step(tmp_path):
     assert doc["aten_ops_per_module"]["dora"] < step["aten_ops_per_module"]["dora"] / 2
 
 
+def test_reentrant_train_forward_follows_whole_training_steps(tmp_path):
+    """``--measure train-forward --reentrant``: the forward runs without autograd and is answered from the training
+    record that the previous step's recompute made, so each timed forward follows a whole untimed training step
+    (its backward takes the fused node; one AdamW step per timed forward), not a null step after which no recompute
+    ever ran and every forward took the full path."""
+    pytest.importorskip("triton")
+    doc = _run(tmp_path, "--measure", "train-forward", "--tiers", "fused", "--graphs", "--reentrant")
+    assert doc["tiers"].get("fused_backward", 0) > 0 and "fused_forward" in doc["tiers"], doc["tiers"]
+    assert doc["dora_optimizer_steps_seen"] == 2 * doc["config"]["calls"]  # rounds x calls
+
+
 def test_eager_eval_tiers(tmp_path):
     doc = _run(tmp_path, "--measure", "eval", "--tiers", "eager")
     assert set(doc["tiers"]) == {"eager"}, doc["tiers"]
