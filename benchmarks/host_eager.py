@@ -94,6 +94,19 @@ class _NoOpGraph:
         pass
 
 
+def _emulate_cuda_autocast_query() -> None:
+    """``--autocast``: ``torch.is_autocast_enabled()`` without a device answers for the CPU, as it answers for CUDA on
+    a GPU. PEFT's bitsandbytes LoRA layers ask it that way (``requires_conversion``) and, on the CPU, would otherwise
+    cast ``x`` to the adapters' fp32 and the output back in every forward, for QLoRA and QDoRA alike: a path no GPU
+    step under CUDA autocast takes."""
+    query = torch.is_autocast_enabled
+
+    def is_autocast_enabled(device_type=None):
+        return query("cpu" if device_type is None else device_type)
+
+    torch.is_autocast_enabled = is_autocast_enabled
+
+
 def _emulate_norm_graphs() -> None:
     """``--graphs``: training norms take the GPU's path on the CPU: a layer's norm graph is "captured" on its second
     call for the same tensors (``compute()`` once, its result kept as the graph's output buffer) and replayed as a
@@ -280,6 +293,8 @@ def run(args) -> dict:
         _stub_launches()
     if args.graphs:
         _emulate_norm_graphs()
+    if args.autocast:
+        _emulate_cuda_autocast_query()
     if args.probe == "norm-once":
         _norm_once()
     torch.set_num_threads(1)

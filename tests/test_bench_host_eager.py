@@ -138,6 +138,24 @@ def test_autocast_eval_and_training(tmp_path, base):
     assert set(doc["tiers"]) == {"fused_backward"}, doc["tiers"]
 
 
+def test_autocast_answers_the_device_less_query_as_cuda_does_on_a_gpu(monkeypatch):
+    """``--autocast``: PEFT's bitsandbytes layers ask ``torch.is_autocast_enabled()`` without a device, which on a GPU
+    answers for CUDA autocast (on: no cast of ``x`` to the adapters' fp32); the stand-in makes the question answer for
+    the CPU's autocast, which its steps run under, and leaves questions naming a device alone."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
+    import host_eager
+
+    monkeypatch.setattr(torch, "is_autocast_enabled", torch.is_autocast_enabled)  # undone after the test
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not torch.is_autocast_enabled()  # what a CPU answers by itself: CUDA's autocast is off
+        host_eager._emulate_cuda_autocast_query()
+        assert torch.is_autocast_enabled() and torch.is_autocast_enabled("cpu")
+        assert not torch.is_autocast_enabled("cuda")
+    assert not torch.is_autocast_enabled()
+
+
 def test_compare_train_record_runs_the_same_ops_without_the_record(tmp_path):
     """``--compare-train-record``: a third model, DoRA with its training record and the direct node apply switched
     off, alternated with the other two; it dispatches the same ATen ops per module as DoRA with them (the record
