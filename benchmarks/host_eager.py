@@ -194,20 +194,9 @@ def _step_before_forward(args, model, dora: bool):
     the backward, which forwards alone never run; timed after null steps, every such forward took the full path."""
     if not args.reentrant or not args.checkpointing:
         return _null_step(model, dora)
-    full = argparse.Namespace(**{**vars(args), "measure": "train"})
-    step, x = _bare_step_fn(full, model), None
-
-    def train_step():
-        nonlocal x
-        if x is None:
-            x = torch.randn(args.tokens, args.dim, dtype=args.dtype, requires_grad=True)
-        if args.autocast:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                step(x)
-        else:
-            step(x)
-
-    return train_step
+    step = _step_fn(argparse.Namespace(**{**vars(args), "measure": "train"}), model)
+    x = torch.randn(args.tokens, args.dim, dtype=args.dtype, requires_grad=True)
+    return lambda: step(x)
 
 
 def _without_dora_step_hook(optimizer_step):
