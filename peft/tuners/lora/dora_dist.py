@@ -251,7 +251,7 @@ class MagnitudeShard:
     param: torch.Tensor  # the sharded parameter (DTensor) the optimizer steps
     gathered: torch.Tensor  # the gathered copy a forward sees
     group: object
-    fsdp_param: Optional[weakref.ref] = None  # FSDP2's FSDPParam of the magnitude, held weakly: what :meth:`holds` asks
+    fsdp_param: weakref.ref  # FSDP2's FSDPParam of the magnitude, held weakly: what :meth:`holds` asks
     slot = 0  # one magnitude per stepped parameter
 
     @property
@@ -263,7 +263,7 @@ class MagnitudeShard:
         object (FSDP2 gathers into the same one every time), the same sharded parameter under FSDP2's ``FSDPParam``
         and the same local shard under it (as :meth:`NormShards.holds` asks). A layer keeps its magnitude's shard
         between forwards (``LayerReuse.magnitude_shard``): finding it anew took ~8 µs per training forward."""
-        if self.gathered is not magnitude or not _module_state_mapping or self.fsdp_param is None:
+        if self.gathered is not magnitude or not _module_state_mapping:
             return False
         return _still_sharded(self.fsdp_param(), self.param, self.local)
 
