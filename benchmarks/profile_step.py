@@ -14,7 +14,7 @@ times, and what DoRA adds per module on the host is (host_dora - host_lora) / mo
 
 ``--small-forward-numel N`` sets ``dora_dispatch.SMALL_FORWARD_NUMEL`` (the largest output an eval forward composes
 with two PyTorch ops and reused factors instead of a Triton launch) for the run: a probe of that crossover, not a
-setting users have.
+setting users have; ``--scaled-b-kept-numel N`` likewise sets the largest B whose ``s·g·B`` an eval record keeps.
 
     PYTHONPATH=<ours> python benchmarks/profile_step.py --points "qwen1.5b bf16 r32 seq4096 b1 all drop0" \\
         --out $OUT/profile_step.json
@@ -176,6 +176,7 @@ def main() -> int:
     p.add_argument("--pystats", action="store_true", help="also record the host's Python time by function (cProfile)")
     p.add_argument("--measure", default="train", choices=("train", "infer"), help="a training step or an eval forward")
     p.add_argument("--small-forward-numel", type=int, help="dora_dispatch.SMALL_FORWARD_NUMEL for this run (a probe)")
+    p.add_argument("--scaled-b-kept-numel", type=int, help="dora_dispatch.SCALED_B_KEPT_NUMEL for this run (a probe)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     import transformers
@@ -188,9 +189,14 @@ def main() -> int:
         from peft.tuners.lora import dora_dispatch
 
         dora_dispatch.SMALL_FORWARD_NUMEL = args.small_forward_numel
+    if args.scaled_b_kept_numel is not None:
+        from peft.tuners.lora import dora_dispatch
+
+        dora_dispatch.SCALED_B_KEPT_NUMEL = args.scaled_b_kept_numel
     env = {"peft": Path(peft.__file__).parent.parent.name, "torch": torch.__version__,
            "transformers": transformers.__version__, "gpu": gpu, "compile": args.compile, "measure": args.measure,
-           "small_forward_numel": args.small_forward_numel}  # fmt: skip
+           "small_forward_numel": args.small_forward_numel,
+           "scaled_b_kept_numel": args.scaled_b_kept_numel}  # fmt: skip
     result = {"env": env, "points": {}}
     bases: dict = {}
     for label in [s.strip() for s in args.points.split(";") if s.strip()]:

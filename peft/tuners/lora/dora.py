@@ -873,11 +873,15 @@ class DoraLinearLayer(nn.Module):
         entry."""
         rows = self._reuse.rows
         branch_dtype = dora_decode.compute_dtype(x)
+        row_scale = None
         if result.dtype == branch_dtype:
             kept = self._reuse.scaled_b
-            if kept is None or kept[0] is not rows[0] or kept[1] != branch_dtype:
+            if kept is not None and kept[0] is rows[0] and kept[1] == branch_dtype:
+                scaled_b, bias_term = kept[2], kept[3]
+            elif weight_b.numel() > dora_dispatch.SCALED_B_KEPT_NUMEL:  # B scaled in each forward: so in the record's
+                scaled_b, (row_scale, bias_term) = None, _fold_terms(weight_b, rows, float(scaling), branch_dtype)
+            else:
                 return
-            scaled_b, bias_term = kept[2], kept[3]
         else:  # _small_output took the fp32 composition
             scaled_b, bias_term = None, (rows[2] if len(rows) > 2 else None)
         tensors = self._record_tensors(base_layer, weight, weight_a, weight_b, magnitude, bias)
@@ -886,7 +890,7 @@ class DoraLinearLayer(nn.Module):
         state = _small_state(x, result, scaling)
         cached = self._cache_get(f"weight-norm-{adapter_name}", None) if ENABLE_DORA_CACHING else None
         self._reuse.keep_eval_record(
-            SmallRecord(tensors, state, scaled_b, bias_term, rows[1], cached), ENABLE_DORA_CACHING
+            SmallRecord(tensors, state, scaled_b, bias_term, rows[1], cached, row_scale=row_scale), ENABLE_DORA_CACHING
         )
 
     def _keep_train_record(
@@ -1066,10 +1070,11 @@ class DoraLinearLayer(nn.Module):
         if numel <= dora_dispatch.DECODE_MAX_ROWS * result.shape[-1] and dora_settings.current().decode_kernels:
             return self._recorded_decode(x, result, lora_A, lora_B, scaling, base_layer, adapter_name)
         kept, one_pass = self._reuse.eval_records(ENABLE_DORA_CACHING)
+        folded = kept is not None and (kept.scaled_b is not None or kept.row_scale is not None)
         if (
             kept is None
             or numel > dora_dispatch.SMALL_FORWARD_NUMEL
-            or (kept.scaled_b is None and numel > dora_dispatch.SMALL_FORWARD_WIDE_NUMEL)
+            or (not folded and numel > dora_dispatch.SMALL_FORWARD_WIDE_NUMEL)
         ):
             # above the small tier's limit (an fp32 result beside a half branch has its own): the one-pass kernel's
             kept = one_pass
@@ -1083,10 +1088,13 @@ class DoraLinearLayer(nn.Module):
         plain, tensors = held
         if kept.norm is not None:
             return self._recorded_one_pass(kept, x, result, plain, tensors, scaling, base_layer)
-        if kept.scaled_b is None:  # _small_output's fp32 composition (numel within its limit, checked above)
+        if not folded:  # _small_output's fp32 composition (numel within its limit, checked above)
             out = _small_fp32(x, result, *plain, float(scaling), kept.g, kept.bias_term)
-        else:
-            out = _small_folded(x, result, plain[0], kept.scaled_b, kept.bias_term, kept.g)
+        else:  # s·g·B kept, or (a B too large to keep twice) scaled as _scaled_b scales it
+            scaled_b = kept.scaled_b
+            if scaled_b is None:
+                scaled_b = _scale_b(plain[1], kept.row_scale, result.dtype)
+            out = _small_folded(x, result, plain[0], scaled_b, kept.bias_term, kept.g)
         if out is None:
             return None
         record(self, TIER_SMALL_FORWARD)
@@ -1172,9 +1180,8 @@ class DoraLinearLayer(nn.Module):
         f = factors[0]
         if kept is not None and kept[0] is f and kept[1] == dtype:
             return kept[2], kept[3]
-        acc = torch.promote_types(weight_b.dtype, torch.float32)
-        scaled_b = (weight_b.to(acc) * (factors[1].to(acc) * scaling).unsqueeze(1)).to(dtype)
-        bias_term = factors[2].to(dtype) if len(factors) > 2 else None
+        row_scale, bias_term = _fold_terms(weight_b, factors, scaling, dtype)
+        scaled_b = _scale_b(weight_b, row_scale, dtype)
         if weight_b.numel() <= dora_dispatch.SCALED_B_KEPT_NUMEL:
             self._reuse.scaled_b = (f, dtype, scaled_b, bias_term)
         return scaled_b, bias_term
@@ -1751,6 +1758,19 @@ def _small_folded(x, result, weight_a, scaled_b, bias_term, g) -> Optional[torch
     ``result``'s."""
     out = F.linear(F.linear(x, weight_a), scaled_b, bias_term)
     return out.addcmul_(result, g) if out.shape == result.shape else None
+
+
+def _fold_terms(weight_b, factors, scaling: float, dtype: torch.dtype) -> tuple:
+    """What the small tier folds into B's matmul, from the factors ``(scale, g[, (1 − g)·bias])``: the column ``s·g``
+    [d_out, 1] in fp32 (or B's dtype where wider) and the bias term in ``dtype`` (None without a bias)."""
+    acc = torch.promote_types(weight_b.dtype, torch.float32)
+    return (factors[1].to(acc) * scaling).unsqueeze(1), (factors[2].to(dtype) if len(factors) > 2 else None)
+
+
+def _scale_b(weight_b, row_scale, dtype: torch.dtype) -> torch.Tensor:
+    """``s·g·B`` in ``dtype``: one product in ``row_scale``'s dtype (B's elements widened exactly, as ``B.to(acc)``
+    would), rounded once."""
+    return torch.mul(weight_b, row_scale).to(dtype)
 
 
 def _small_fp32(x, result, weight_a, weight_b, scaling: float, g, bias_row) -> Optional[torch.Tensor]:

@@ -308,7 +308,9 @@ def capturing(sources) -> bool:
 
 class SmallRecord:
     """An eval forward on the small tier (``DoraLinearLayer._small_output``: ``s·g·B`` and the bias term kept, or
-    the fp32 composition beside a half branch with ``g`` and the bias row), kept so that the next ones run its ops
+    the column ``s·g`` and the bias term where B is too large to keep ``s·g·B`` beside it (``row_scale``; B scaled
+    in each forward, as the full path does), or the fp32 composition beside a half branch with ``g`` and the bias
+    row), kept so that the next ones run its ops
     after a handful of checks instead of the gates and the memos' lookups (which cost more host time than the ops
     where a forward is host-bound, and more than LoRA's whole forward).
 
@@ -328,12 +330,13 @@ class SmallRecord:
 
     __slots__ = (
         "refs", "key", "state", "inference", "plain", "scaled_b", "bias_term", "g", "cached", "pins", "norm", "eps",
-        "wide",
+        "wide", "row_scale",
     )  # fmt: skip
 
     def __init__(
-        self, tensors, state: tuple, scaled_b, bias_term, g, cached=None, norm=None, eps=0.0, wide=False
-    ) -> None:
+        self, tensors, state: tuple, scaled_b, bias_term, g, cached=None, norm=None, eps=0.0, wide=False,
+        row_scale=None,
+    ) -> None:  # fmt: skip
         self.refs = tuple(weakref.ref(t) for t in tensors)
         # a bitsandbytes weight (Params4bit) has a Python __torch_function__: its key is read without it
         self.plain = all(type(t) is nn.Parameter for t in tensors)
@@ -342,8 +345,9 @@ class SmallRecord:
         self.state, self.scaled_b, self.bias_term, self.g = state, scaled_b, bias_term, g
         self.cached = cached  # DoraCaching's norm it was made with (held: its identity is what the caller compares)
         self.norm, self.eps, self.wide = norm, eps, wide
+        self.row_scale = row_scale  # the column s·g where B is too large to keep s·g·B: scaled in each forward
         # an inference tensor answers only in inference mode (as ``reused``'s do)
-        self.inference = any(t is not None and t.is_inference() for t in (g, scaled_b, bias_term, norm))
+        self.inference = any(t is not None and t.is_inference() for t in (g, scaled_b, bias_term, norm, row_scale))
 
     def holds(self, tensors, state: tuple) -> bool:
         """Whether the record answers for these tensors (the same objects, unchanged) and this state."""

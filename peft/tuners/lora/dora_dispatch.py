@@ -85,7 +85,8 @@ SMALL_FORWARD_NUMEL = 1 << 23
 SMALL_FORWARD_WIDE_NUMEL = 1 << 20
 
 # The small tier keeps ``s·g·B`` (a copy of B in the branch's dtype) for a B of at most this many elements (rank 64
-# beside a 16384-wide output); a larger B is scaled in each forward, one more small op, rather than kept twice.
+# beside a 16384-wide output); a larger B is scaled in each forward (its record too), two more small ops (the fp32
+# product, the rounding), rather than kept twice.
 SCALED_B_KEPT_NUMEL = 1 << 20
 
 # Below this many activation elements the composition's fused autograd node (forward + backward) does not reliably

@@ -847,17 +847,18 @@ def counting_records(answered: list, name: str = "recorded_small_output"):
     return counted
 
 
-@pytest.mark.parametrize("tier", ("small_forward", "one_pass", "decode"))
+@pytest.mark.parametrize("tier", ("small_forward", "small_forward_b_per_forward", "one_pass", "decode"))
 def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monkeypatch, tier):
-    """An eval forward on the small tier keeps a record (``dora_cache.SmallRecord``) that answers the next ones in
-    three ops, one on the one-pass output kernel (outputs above the small tier's limit, here made 0) a record
-    that answers with two matmuls and the kernel, and a decode step (up to 8 rows, decode kernels on) a record with
-    its plan that answers with the plan's two launches: the same bits as the full path while nothing changed; after each
-    change below the output is a fresh computation's (the eager tier's), never the record's stale one: in-place
-    edits of W, A, B, m and the bias, a new value through ``.data`` (a new storage), a ``.data`` write PyTorch cannot
-    see followed by ``invalidate_norm_caches()``, a new scaling, a replaced parameter object, a hook on ``lora_A``
-    (which must see the call), autocast, new settings, ``DoraCaching``, an output on the other tier, autograd in
-    eval mode (the output must require grad), an optimizer step, inference mode and training mode."""
+    """An eval forward on the small tier keeps a record (``dora_cache.SmallRecord``) that answers the next ones in three
+    ops (four where B is too large to keep ``s·g·B`` beside it, here made so: the record keeps the column ``s·g`` and
+    scales B in each forward, as the full path does), one on the one-pass output kernel (outputs above the small tier's
+    limit, here made 0) a record that answers with two matmuls and the kernel, and a decode step (up to 8 rows, decode
+    kernels on) a record with its plan that answers with the plan's two launches: the same bits as the full path while
+    nothing changed; after each change below the output is a fresh computation's (the eager tier's), never the record's
+    stale one: in-place edits of W, A, B, m and the bias, a new value through ``.data`` (a new storage), a ``.data``
+    write PyTorch cannot see followed by ``invalidate_norm_caches()``, a new scaling, a replaced parameter object, a
+    hook on ``lora_A`` (which must see the call), autocast, new settings, ``DoraCaching``, an output on the other tier,
+    autograd in eval mode (the output must require grad), an optimizer step, inference mode and training mode."""
     from torch import nn
 
     from peft.tuners.lora import dora
@@ -867,6 +868,8 @@ def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monke
     one_pass = tier == "one_pass"
     if one_pass:
         monkeypatch.setattr(dispatch, "SMALL_FORWARD_NUMEL", 0)  # every output is "large"
+    if tier == "small_forward_b_per_forward":
+        monkeypatch.setattr(dispatch, "SCALED_B_KEPT_NUMEL", 0)  # every B is "large"
     own_tier = dora.TIER_DECODE if decode else dora.TIER_FUSED_FORWARD if one_pass else dora.TIER_SMALL_FORWARD
     peft_model = small_dora_model()
     first, second = peft_model.base_model.model[0], peft_model.base_model.model[2]
@@ -891,6 +894,8 @@ def test_small_record_answers_only_while_it_holds(dora_switches, dora_env, monke
         again = peft_model(x)
         assert answered == [True, True] and torch.equal(again, full)
         assert dict(dora.tier_counts) == {own_tier: 2}
+        if tier == "small_forward_b_per_forward":  # nothing kept beside B: the record scaled it
+            assert first.lora_magnitude_vector["default"]._reuse.scaled_b is None
         assert dora.norm_counts["norm_reused" if one_pass else "scale_reused"] == 2
         assert dict(dora.norm_counts).keys() == {"norm_reused" if one_pass else "scale_reused"}
 
