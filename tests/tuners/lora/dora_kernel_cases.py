@@ -832,6 +832,47 @@ def test_records_beside_a_wider_result(dora_switches, dora_env, monkeypatch):
         assert torch.equal(got, want_large)
 
 
+@pytest.mark.parametrize("precision", ("fp32", "bf16", "autocast"))
+@pytest.mark.parametrize("rows", (6, 9), ids=("decode_rows", "more_rows"))
+@pytest.mark.parametrize("b_kept", (True, False), ids=("b_kept", "b_too_large"))
+@pytest.mark.parametrize("output", ("small", "large"))
+def test_every_eval_tier_keeps_a_record_that_answers(dora_switches, dora_env, monkeypatch, precision, rows, b_kept,
+                                                     output):  # fmt: skip
+    """From the second eval forward on, whatever tier the full path takes (decode steps up to 8 rows with the decode
+    kernels on, the small tier with ``s·g·B`` kept or, for a B above ``SCALED_B_KEPT_NUMEL``, scaled in each
+    forward, the one-pass kernel above ``SMALL_FORWARD_NUMEL``), in fp32, in bf16 and under autocast, each layer's
+    record answers it, with the full path's bits. A tier without a record pays the full path's gates and lookups in
+    every forward: the small tier with a B too large to keep beside it did (1.20x LoRA at a host-bound rank-768
+    eval point on the H200)."""
+    from peft.tuners.lora import dora
+
+    dora_switches(decode_kernels=True)
+    if output == "large":
+        monkeypatch.setattr(dispatch, "SMALL_FORWARD_NUMEL", 0)
+    if not b_kept:
+        monkeypatch.setattr(dispatch, "SCALED_B_KEPT_NUMEL", 0)
+    peft_model = small_dora_model()
+    if precision == "bf16":
+        peft_model = peft_model.to(torch.bfloat16)
+    x = torch.randn(rows, 24, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    decode = rows <= dispatch.DECODE_MAX_ROWS
+    answered, decoded = [], []
+    monkeypatch.setattr(dora.DoraLinearLayer, "recorded_small_output", counting_records(answered))
+    monkeypatch.setattr(dora.DoraLinearLayer, "_recorded_decode", counting_records(decoded, "_recorded_decode"))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        dora.tier_counts.clear()
+        full = peft_model(x)
+        tiers = dict(dora.tier_counts)
+        want = dora.TIER_DECODE if decode else dora.TIER_FUSED_FORWARD if output == "large" else dora.TIER_SMALL_FORWARD
+        assert tiers == {want: 2}, tiers
+        for _ in range(2):
+            answered.clear(), decoded.clear(), dora.tier_counts.clear()
+            again = peft_model(x)
+            assert answered == [True, True] and dict(dora.tier_counts) == tiers
+            assert decoded == ([True, True] if decode else [])
+            assert torch.equal(again, full)
+
+
 def counting_records(answered: list, name: str = "recorded_small_output"):
     """``DoraLinearLayer.<name>`` (a record's answer, as it is now: ``recorded_small_output`` or
     ``recorded_training_output``) that appends to ``answered`` whether each call answered, for a test to patch in."""
