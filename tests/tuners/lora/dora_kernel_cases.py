@@ -832,7 +832,7 @@ def test_records_beside_a_wider_result(dora_switches, dora_env, monkeypatch):
         assert torch.equal(got, want_large)
 
 
-@pytest.mark.parametrize("precision", ("fp32", "bf16", "autocast"))
+@pytest.mark.parametrize("precision", ("fp32", "bf16", "fp16", "autocast"))
 @pytest.mark.parametrize("rows", (6, 9), ids=("decode_rows", "more_rows"))
 @pytest.mark.parametrize("b_kept", (True, False), ids=("b_kept", "b_too_large"))
 @pytest.mark.parametrize("output", ("small", "large"))
@@ -840,7 +840,7 @@ def test_every_eval_tier_keeps_a_record_that_answers(dora_switches, dora_env, mo
                                                      output):  # fmt: skip
     """From the second eval forward on, whatever tier the full path takes (decode steps up to 8 rows with the decode
     kernels on, the small tier with ``s·g·B`` kept or, for a B above ``SCALED_B_KEPT_NUMEL``, scaled in each
-    forward, the one-pass kernel above ``SMALL_FORWARD_NUMEL``), in fp32, in bf16 and under autocast, each layer's
+    forward, the one-pass kernel above ``SMALL_FORWARD_NUMEL``), in fp32, bf16, fp16 and under autocast, each layer's
     record answers it, with the full path's bits. A tier without a record pays the full path's gates and lookups in
     every forward: the small tier with a B too large to keep beside it did (1.20x LoRA at a host-bound rank-768
     eval point on the H200)."""
@@ -851,10 +851,11 @@ def test_every_eval_tier_keeps_a_record_that_answers(dora_switches, dora_env, mo
         monkeypatch.setattr(dispatch, "SMALL_FORWARD_NUMEL", 0)
     if not b_kept:
         monkeypatch.setattr(dispatch, "SCALED_B_KEPT_NUMEL", 0)
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     peft_model = small_dora_model()
-    if precision == "bf16":
-        peft_model = peft_model.to(torch.bfloat16)
-    x = torch.randn(rows, 24, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    if half is not None:
+        peft_model = peft_model.to(half)
+    x = torch.randn(rows, 24, dtype=half or torch.float32)
     decode = rows <= dispatch.DECODE_MAX_ROWS
     answered, decoded = [], []
     monkeypatch.setattr(dora.DoraLinearLayer, "recorded_small_output", counting_records(answered))
