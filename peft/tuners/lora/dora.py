@@ -1761,8 +1761,9 @@ def _small_folded(x, result, weight_a, scaled_b, bias_term, g) -> Optional[torch
 
 
 def _fold_terms(weight_b, factors, scaling: float, dtype: torch.dtype) -> tuple:
-    """What the small tier folds into B's matmul, from the factors ``(scale, g[, (1 − g)·bias])``: the column ``s·g``
-    [d_out, 1] in fp32 (or B's dtype where wider) and the bias term in ``dtype`` (None without a bias)."""
+    """What the small tier folds into B's matmul, from the factors ``(f, g[, (1 − g)·bias])`` (``f`` the tensor whose
+    rows the others are): the column ``s·g`` [d_out, 1] in fp32 (or B's dtype where wider) and the bias term in
+    ``dtype`` (None without a bias)."""
     acc = torch.promote_types(weight_b.dtype, torch.float32)
     return (factors[1].to(acc) * scaling).unsqueeze(1), (factors[2].to(dtype) if len(factors) > 2 else None)
 

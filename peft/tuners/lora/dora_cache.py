@@ -310,9 +310,9 @@ class SmallRecord:
     """An eval forward on the small tier (``DoraLinearLayer._small_output``: ``s·g·B`` and the bias term kept, or
     the column ``s·g`` and the bias term where B is too large to keep ``s·g·B`` beside it (``row_scale``; B scaled
     in each forward, as the full path does), or the fp32 composition beside a half branch with ``g`` and the bias
-    row), kept so that the next ones run its ops
-    after a handful of checks instead of the gates and the memos' lookups (which cost more host time than the ops
-    where a forward is host-bound, and more than LoRA's whole forward).
+    row), kept so that the next ones run its ops after a handful of checks instead of the gates and the memos'
+    lookups (which cost more host time than the ops where a forward is host-bound, and more than LoRA's whole
+    forward).
 
     It answers while the very same W, A, B, m (and bias) objects keep their storage, version counter, layout, dtype
     and device, no optimizer step or merge came between (the epoch), and the settings (the ``PEFT_DORA_*``
