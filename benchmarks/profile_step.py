@@ -185,13 +185,11 @@ def main() -> int:
 
     device = torch.device(args.device)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else None
-    if args.small_forward_numel is not None:
-        from peft.tuners.lora import dora_dispatch
+    from peft.tuners.lora import dora_dispatch
 
+    if args.small_forward_numel is not None:
         dora_dispatch.SMALL_FORWARD_NUMEL = args.small_forward_numel
     if args.scaled_b_kept_numel is not None:
-        from peft.tuners.lora import dora_dispatch
-
         dora_dispatch.SCALED_B_KEPT_NUMEL = args.scaled_b_kept_numel
     env = {"peft": Path(peft.__file__).parent.parent.name, "torch": torch.__version__,
            "transformers": transformers.__version__, "gpu": gpu, "compile": args.compile, "measure": args.measure,
