@@ -4,6 +4,8 @@ with TRITON_INTERPRET=1 (Triton fixes interpretation when a kernel is decorated,
 Run directly: TRITON_INTERPRET=1 python -m pytest tests/tuners/lora/dora_kernel_cases.py -q
 """
 
+import contextlib
+
 import pytest
 import torch
 from dora_testing import StandInNormGraph, assert_close
@@ -836,8 +838,9 @@ def test_records_beside_a_wider_result(dora_switches, dora_env, monkeypatch):
 @pytest.mark.parametrize("rows", (6, 9), ids=("decode_rows", "more_rows"))
 @pytest.mark.parametrize("b_kept", (True, False), ids=("b_kept", "b_too_large"))
 @pytest.mark.parametrize("output", ("small", "large"))
+@pytest.mark.parametrize("caching", (False, True), ids=("uncached", "dora_caching"))
 def test_every_eval_tier_keeps_a_record_that_answers(dora_switches, dora_env, monkeypatch, precision, rows, b_kept,
-                                                     output):  # fmt: skip
+                                                     output, caching):  # fmt: skip
     """From the second eval forward on, whatever tier the full path takes (decode steps up to 8 rows with the decode
     kernels on, the small tier with ``s·g·B`` kept or, for a B above ``SCALED_B_KEPT_NUMEL``, scaled in each
     forward, the one-pass kernel above ``SMALL_FORWARD_NUMEL``), in fp32, bf16, fp16 and under autocast, each layer's
@@ -860,7 +863,10 @@ def test_every_eval_tier_keeps_a_record_that_answers(dora_switches, dora_env, mo
     answered, decoded = [], []
     monkeypatch.setattr(dora.DoraLinearLayer, "recorded_small_output", counting_records(answered))
     monkeypatch.setattr(dora.DoraLinearLayer, "_recorded_decode", counting_records(decoded, "_recorded_decode"))
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+    from peft.helpers import DoraCaching
+
+    cache = DoraCaching() if caching else contextlib.nullcontext()
+    with cache, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
         dora.tier_counts.clear()
         full = peft_model(x)
         tiers = dict(dora.tier_counts)
