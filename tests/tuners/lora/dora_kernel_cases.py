@@ -847,6 +847,7 @@ def test_every_eval_tier_keeps_a_record_that_answers(dora_switches, dora_env, mo
     record answers it, with the full path's bits. A tier without a record pays the full path's gates and lookups in
     every forward: the small tier with a B too large to keep beside it did (1.20x LoRA at a host-bound rank-768
     eval point on the H200)."""
+    from peft.helpers import DoraCaching
     from peft.tuners.lora import dora
 
     dora_switches(decode_kernels=True)
@@ -863,8 +864,6 @@ def test_every_eval_tier_keeps_a_record_that_answers(dora_switches, dora_env, mo
     answered, decoded = [], []
     monkeypatch.setattr(dora.DoraLinearLayer, "recorded_small_output", counting_records(answered))
     monkeypatch.setattr(dora.DoraLinearLayer, "_recorded_decode", counting_records(decoded, "_recorded_decode"))
-    from peft.helpers import DoraCaching
-
     cache = DoraCaching() if caching else contextlib.nullcontext()
     with cache, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
         dora.tier_counts.clear()
