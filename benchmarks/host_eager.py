@@ -75,9 +75,9 @@ def build(args, dora: bool) -> nn.Module:
         init_lora_weights=False,  # B != 0: the norm and gradients are those of a trained adapter
     )  # fmt: skip
     model = get_peft_model(_base(args), config)
-    if args.base == "plain" and not args.autocast:
+    if args.base == "plain" and not (args.autocast or args.mixed):
         model = model.to(args.dtype)  # adapters in the model's dtype, as the grid's bf16 mode has them
-    return model  # with --autocast: fp32 adapters (PEFT's autocast_adapter_dtype) beside the base's dtype
+    return model  # with --autocast or --mixed: fp32 adapters (PEFT's autocast_adapter_dtype) beside the base's dtype
 
 
 def _stub_launches() -> None:
@@ -349,6 +349,9 @@ def main(argv=None) -> int:
     p.add_argument("--bias", action="store_true")
     p.add_argument(
         "--autocast", action="store_true", help="fp32 adapters, the step under bf16 autocast (--dtype: the base's)"
+    )
+    p.add_argument(
+        "--mixed", action="store_true", help="fp32 adapters beside the --dtype base, no autocast (PEFT's default)"
     )
     p.add_argument("--dropout", type=float, default=0.0, help="lora_dropout (LoRA's and DoRA's)")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")

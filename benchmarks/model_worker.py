@@ -179,6 +179,9 @@ def nudge_magnitudes(model) -> None:
             p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
 
 
+FP32_ADAPTER_MODES = ("autocast", "mixed")  # PEFT's default fp32 adapters beside the bf16 base
+
+
 def lora_config(rank: int, dora: bool, targets=TARGETS, dropout: float = 0.0):
     from peft import LoraConfig
 
@@ -193,12 +196,14 @@ def lora_config(rank: int, dora: bool, targets=TARGETS, dropout: float = 0.0):
 
 
 def wrap(base, cfg: dict, rank: int, impl: dict, mode: str, targets=TARGETS, dropout: float = 0.0):
-    """``get_peft_model`` in the precision mode: autocast = fp32 adapters on a bf16 base; bf16/fp32 = one dtype."""
+    """``get_peft_model`` in the precision mode: autocast = fp32 adapters on a bf16 base under bf16 autocast; mixed =
+    the same model without autocast (PEFT's default fp32 adapters beside a bf16 base, as a training loop of its own
+    runs them); bf16/fp32 = one dtype."""
     from peft import get_peft_model
 
     config = lora_config(rank, impl["dora"], targets, dropout)
     with torch.device(base.device):  # adapters initialised where they live (on the CPU, r 768 takes seconds)
-        model = get_peft_model(base, config, autocast_adapter_dtype=(mode == "autocast"))
+        model = get_peft_model(base, config, autocast_adapter_dtype=(mode in FP32_ADAPTER_MODES))
     if mode == "bf16":
         model = model.to(torch.bfloat16)
     elif mode == "fp32":
@@ -772,7 +777,7 @@ def add_lora_twin(model, cfg, point: dict) -> None:
         return
     twin = lora_config(point["rank"], False, point["modules"], point["dropout"])
     with torch.device(model.device):
-        model.add_adapter(TWIN, twin, autocast_adapter_dtype=(point["mode"] == "autocast"))
+        model.add_adapter(TWIN, twin, autocast_adapter_dtype=(point["mode"] in FP32_ADAPTER_MODES))
     if point["mode"] == "bf16":
         model.to(torch.bfloat16)
     seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"], adapter=TWIN)

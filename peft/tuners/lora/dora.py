@@ -1770,8 +1770,8 @@ def _fold_terms(weight_b, factors, scaling: float, dtype: torch.dtype) -> tuple:
 
 def _scale_b(weight_b, row_scale, dtype: torch.dtype) -> torch.Tensor:
     """``s·g·B`` in ``dtype``: one product in ``row_scale``'s dtype (B's elements widened exactly, as ``B.to(acc)``
-    would), rounded once."""
-    return torch.mul(weight_b, row_scale).to(dtype)
+    would), rounded once on its store into ``dtype`` (one kernel, no product-sized temporary in the wider dtype)."""
+    return torch.mul(weight_b, row_scale, out=torch.empty_like(weight_b, dtype=dtype))
 
 
 def _small_fp32(x, result, weight_a, weight_b, scaling: float, g, bias_row) -> Optional[torch.Tensor]:

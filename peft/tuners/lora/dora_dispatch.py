@@ -67,6 +67,20 @@ def wider_result(result_dtype: torch.dtype, lora_dtype: torch.dtype) -> bool:
     return result_dtype == torch.float32 and lora_dtype in HALF_DTYPES
 
 
+def wider_branch(result_dtype: torch.dtype, lora_dtype: torch.dtype) -> bool:
+    """A half-precision ``result`` beside an fp32 LoRA output: PEFT's default fp32 adapters beside a bf16 (fp16) base,
+    trained or run without autocast (a training loop of its own on a half-precision model). The output kernels read
+    both and write the LoRA output's dtype, fp32, as PyTorch's promotion would (the LoRA layer then casts it back to
+    the base's dtype, as it does LoRA's own ``result + lora``)."""
+    return lora_dtype == torch.float32 and result_dtype in HALF_DTYPES
+
+
+def mixed_output(result_dtype: torch.dtype, lora_dtype: torch.dtype) -> bool:
+    """``result`` and the LoRA output in two dtypes the output kernels take, the output in the wider:
+    :func:`wider_result` or :func:`wider_branch`."""
+    return wider_result(result_dtype, lora_dtype) or wider_branch(result_dtype, lora_dtype)
+
+
 DECODE_MAX_ROWS = 8  # rows per decode launch (dora_decode); more rows take the matmul path
 
 # Up to this many output elements without autograd, the small tier (three PyTorch ops with s·g folded into B's
@@ -176,12 +190,12 @@ def compose_layout(
 ) -> tuple[int, int] | None:
     """(row stride of lora, row stride of base) when the composition kernels take these tensors, else None.
 
-    ``lora`` and ``base`` must agree in shape, dtype (or, with ``wider_base``, see :func:`wider_result`) and device
+    ``lora`` and ``base`` must agree in shape, dtype (or, with ``wider_base``, see :func:`mixed_output`) and device
     and read as rows (unit column stride); ``g`` must be a contiguous [d_out] or [1, d_out] vector, i.e. broadcast
     along the last dimension only (a Conv-style [1, C, 1, 1] scales a middle dimension and is left to PyTorch)."""
     if lora.shape != base.shape or lora.dtype not in KERNEL_DTYPES:
         return None
-    if lora.dtype != base.dtype and not (wider_base and wider_result(base.dtype, lora.dtype)):
+    if lora.dtype != base.dtype and not (wider_base and mixed_output(base.dtype, lora.dtype)):
         return None
     if g.dtype not in KERNEL_DTYPES or lora.device != base.device or g.device != lora.device or lora.dim() == 0:
         return None
@@ -203,7 +217,8 @@ def output_layout(result, lora, bias, magnitude, weight_norm) -> tuple[int, int]
     """(row stride of result, row stride of lora) when the one-pass output kernel takes these tensors, else None.
 
     ``lora`` is written in place, so it must own its storage (a fresh matmul output, not a view), unless ``result`` is
-    wider (:func:`wider_result`: the output is a new buffer of ``result``'s dtype); ``magnitude`` is a contiguous
+    wider (:func:`wider_result`: the output is a new buffer of ``result``'s dtype; where the branch is the wider,
+    :func:`wider_branch`, the output is written into ``lora``'s fp32 buffer); ``magnitude`` is a contiguous
     [d_out] vector, ``weight_norm`` fp32 of the same shape, ``bias`` absent or a frozen [d_out] vector.
     """
     layout = compose_layout(lora, result, magnitude, wider_base=True)
@@ -237,15 +252,15 @@ def branch_node_stride(a, result, weight_b, magnitude, bias) -> int | None:
     tensors, else None.
 
     The node computes ``F.linear(a, B)`` as F.linear would: in ``a``'s dtype (autocast's, or B's own without
-    autocast), which ``result`` shares or widens (:func:`wider_result`), with shapes that fit (F.linear's own errors
-    come from the separate call otherwise); its output is a fresh ``result``-shaped buffer, so ``result`` stands in
-    for it in the output's layout rules. One function on the per-forward path: separate checks re-read the same
-    attributes (a fifth of DoRA's host time over LoRA's per training forward, CPU stand-in). The norm is checked
-    separately (:func:`norm_operand`), once it exists."""
+    autocast), which ``result`` shares, widens or is widened by (:func:`mixed_output`), with shapes that fit
+    (F.linear's own errors come from the separate call otherwise); its output is a fresh ``result``-shaped buffer,
+    so ``result`` stands in for it in the output's layout rules. One function on the per-forward path: separate
+    checks re-read the same attributes (a fifth of DoRA's host time over LoRA's per training forward, CPU
+    stand-in). The norm is checked separately (:func:`norm_operand`), once it exists."""
     dtype = a.dtype
     if dtype not in KERNEL_DTYPES or weight_b.dim() != 2 or a.dim() == 0:
         return None
-    if result.dtype != dtype and not wider_result(result.dtype, dtype):
+    if result.dtype != dtype and not mixed_output(result.dtype, dtype):
         return None
     if weight_b.dtype != dtype and (
         weight_b.dtype not in KERNEL_DTYPES or not torch.is_autocast_enabled(a.device.type)

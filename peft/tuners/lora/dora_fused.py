@@ -927,9 +927,12 @@ def run_fused_output(result, lora, magnitude, weight_norm, scale, eps, bias, str
 
 
 def _output_buffer(result: torch.Tensor, lora: torch.Tensor) -> torch.Tensor:
-    """Where the one-pass output goes: ``lora``'s own buffer, or a new one of ``result``'s dtype where that is
-    wider (``dora_dispatch.wider_result``)."""
-    return lora if lora.dtype == result.dtype else torch.empty_like(result, memory_format=_CONTIGUOUS)
+    """Where the one-pass output goes: ``lora``'s own buffer (also where it is the wider, fp32 beside a half
+    ``result``: ``dora_dispatch.wider_branch``), or a new one of ``result``'s dtype where that is wider
+    (``dora_dispatch.wider_result``)."""
+    if lora.dtype == result.dtype or lora.dtype == torch.float32:
+        return lora
+    return torch.empty_like(result, memory_format=_CONTIGUOUS)
 
 
 def fused_dora_forward_and_inner(

@@ -172,6 +172,38 @@ def test_output_kernel_forward_and_gradients(tokens, d_out, dtype, bias, d_mag_s
     assert_close(y.detach(), eager, dtype=dtype)
 
 
+@pytest.mark.parametrize("bias", (False, True))
+@pytest.mark.parametrize("half", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("tokens", (1, 33))
+def test_output_kernel_beside_a_wider_fp32_branch(tokens, half, bias):
+    """PEFT's default fp32 adapters beside a half-precision base without autocast (``dispatch.wider_branch``): the
+    one-pass output reads the half ``result`` and the fp32 LoRA output and writes fp32 into the LoRA output's buffer,
+    as PyTorch's promotion would; the gradients are the fp64 reference's, ``result``'s in its own dtype."""
+    result, lora, b, magnitude, norm = _output_inputs(tokens, 130, torch.float32, seed=9, bias=bias)
+    result = result.to(half)
+    b = None if b is None else b.to(half)
+    d_y = torch.randn(tokens, 130)
+    want = _output_fp64(result, lora, b, magnitude, norm, d_y)
+    r, lo, m = result.clone().requires_grad_(), lora.clone().requires_grad_(), magnitude.clone().requires_grad_()
+    r2, lo2 = r * 1, lo * 1
+    y = F.fused_dora_output(r2, lo2, m, norm, SCALE, EPS, bias=b)
+    assert y.data_ptr() == lo2.data_ptr() and y.dtype == torch.float32
+    y.backward(d_y)
+    assert_close(y, want[0].float())
+    assert r.grad.dtype == half and lo.grad.dtype == torch.float32
+    assert_close(r.grad, want[1].to(half), dtype=half)
+    assert_close(lo.grad, want[2].float())
+    assert_close(m.grad, want[3].float(), scale=max(1.0, tokens**0.5))
+    # the eager twin takes result - bias in the half dtype (as upstream does), the kernel in fp32
+    eager = F._output_torch(result, lora, b, magnitude, norm, SCALE, EPS)
+    assert eager.dtype == torch.float32
+    assert_close(y.detach(), eager, dtype=half)
+    with torch.no_grad():
+        out = F.fused_dora_output(result, lora.clone(), magnitude, norm, SCALE, EPS, bias=b)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, y.detach())
+
+
 def test_output_kernel_without_grad_and_frozen_magnitude():
     result, lora, _, magnitude, norm = _output_inputs(9, 130, torch.bfloat16, seed=5)
     ref = F._output_torch(result, lora, None, magnitude, norm, SCALE, EPS)
@@ -191,7 +223,8 @@ def test_output_layout_rules():
     assert not F.output_supported(result, lora[:, :8], b, magnitude, norm)  # a view: the output goes into lora
     assert not F.output_supported(result, lora, b, magnitude, norm.double())  # the norm is fp32
     assert not F.output_supported(result, lora, b.requires_grad_(), magnitude, norm)  # a trained bias: eager
-    assert not F.output_supported(result.half(), lora, None, magnitude, norm)  # mixed activation dtypes
+    assert F.output_supported(result.half(), lora, None, magnitude, norm)  # fp32 branch, half result: fp32 output
+    assert not F.output_supported(result.half(), lora.bfloat16(), None, magnitude, norm)  # two half dtypes
     assert not F.output_supported(result, lora, None, magnitude.view(1, 8), norm)
     assert F.output_supported(torch.randn(6, 20)[:, 4:12], lora, None, magnitude, norm)  # a column slice of result
 
@@ -1349,7 +1382,9 @@ def test_decode_plan_is_reused_and_never_stale(dora_env):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _branch_model(bias, dtype=torch.float32, d_in=24, d_out=40, r=6):
+def _branch_model(bias, dtype=torch.float32, d_in=24, d_out=40, r=6, fp32_adapters=False):
+    """``fp32_adapters``: the base in ``dtype``, the adapters in fp32 (``get_peft_model``'s default beside a half
+    base)."""
     from torch import nn
 
     from peft import LoraConfig, get_peft_model
@@ -1357,7 +1392,11 @@ def _branch_model(bias, dtype=torch.float32, d_in=24, d_out=40, r=6):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(d_in, d_out, bias=bias), nn.Linear(d_out, 33, bias=bias))
     config = LoraConfig(target_modules=["0", "1"], use_dora=True, init_lora_weights=False, r=r, lora_alpha=4)
-    return get_peft_model(model, config).to(dtype)
+    if not fp32_adapters:
+        return get_peft_model(model, config).to(dtype)
+    model = get_peft_model(model.to(dtype), config)
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    return model
 
 
 def _branch_step(model, x, mode, one_node, monkeypatch, d_y=None, checkpointed=False, hook=None):
@@ -1404,19 +1443,23 @@ def _rel_err(a, b):
 @pytest.mark.parametrize("scaled_grad", (False, True))
 @pytest.mark.parametrize("checkpointed", (False, True))
 @pytest.mark.parametrize("bias", (False, True))
-@pytest.mark.parametrize("mode", ("fp32", "autocast", "bf16"))
+@pytest.mark.parametrize("mode", ("fp32", "autocast", "bf16", "mixed"))
 def test_one_node_branch_matches_separate_nodes(mode, bias, checkpointed, scaled_grad, monkeypatch):
     """The same output bitwise as the separate LoRA-branch nodes (the forward does the same matmuls and kernel);
     gradients equal in fp32; in bf16 both are compared with an fp64 run: above SCALED_BRANCH_GRAD_NUMEL g·s is
     applied to B instead of to d_y, one rounding of a [tokens, d_out] tensor fewer, so the one-node gradients are no
-    further from fp64; up to it (``scaled_grad``) the kernel writes g·s·d_y, as the separate nodes compute it."""
+    further from fp64; up to it (``scaled_grad``) the kernel writes g·s·d_y, as the separate nodes compute it.
+    ``mixed``: a bf16 base beside fp32 adapters without autocast (``dispatch.wider_branch``), the node's output fp32."""
 
     monkeypatch.setattr(F, "SCALED_BRANCH_GRAD_NUMEL", 1 << 23 if scaled_grad else 0)
     asked = []
     backward = F._backward_triton
     spy = lambda *a, **k: asked.append((a[4], k.get("gs_out"))) or backward(*a, **k)  # noqa: E731
     monkeypatch.setattr(F, "_backward_triton", spy)
-    model = _branch_model(bias, torch.bfloat16 if mode == "bf16" else torch.float32)
+    if mode == "mixed":
+        model = _branch_model(bias, torch.bfloat16, fp32_adapters=True)
+    else:
+        model = _branch_model(bias, torch.bfloat16 if mode == "bf16" else torch.float32)
     x = torch.randn(4, 9, 24, generator=torch.Generator().manual_seed(1))
     x = x.to(torch.float32 if mode == "fp32" else torch.bfloat16)
     d_y = torch.randn(4, 9, 33, generator=torch.Generator().manual_seed(2)).to(x.dtype)
@@ -1434,6 +1477,54 @@ def test_one_node_branch_matches_separate_nodes(mode, bias, checkpointed, scaled
     for got, sep, ref in [(dx1, dx0, dx_ref)] + [(g1[n], g0[n], g_ref[n]) for n in g0]:
         assert got.dtype == sep.dtype
         assert _rel_err(got, ref) <= 1.25 * _rel_err(sep, ref) + 1e-4 and _rel_err(got, ref) < 2e-2
+
+
+@pytest.mark.parametrize("half", (torch.bfloat16, torch.float16), ids=str)
+def test_fp32_adapters_beside_a_half_base_take_the_fused_tiers(half, monkeypatch):
+    """PEFT's default fp32 adapters on a half-precision model, trained and run without autocast (a training loop of
+    its own; ``dispatch.wider_branch``): training forwards, plain and checkpointed, take the fused backward tier and
+    eval forwards the one-pass kernel, where they took the eager tier before; outputs and gradients are the eager
+    tier's within the half dtype's tolerance, in the same dtypes (the LoRA layer casts its fp32 sum back to the
+    base's dtype, as it does LoRA's)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from peft.tuners.lora import dora
+
+    model = _branch_model(True, half, fp32_adapters=True)
+    x = torch.randn(4, 9, 24, generator=torch.Generator().manual_seed(3)).to(half)
+    d_y = torch.randn(4, 9, 33, generator=torch.Generator().manual_seed(4)).to(half)
+
+    def run(fused: str, checkpointed: bool):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PEFT_DORA_FUSED", fused)
+            dora._invalidate_fused_cache()
+            dora.tier_counts.clear()
+            model.train().zero_grad(set_to_none=True)
+            xi = x.detach().requires_grad_()
+            y = checkpoint(model, xi, use_reentrant=False) if checkpointed else model(xi)
+            y.backward(d_y)
+            train_tiers = dict(dora.tier_counts)
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            dora.tier_counts.clear()
+            with torch.no_grad():
+                y_eval = model.eval()(x)
+            eval_tiers = dict(dora.tier_counts)
+        dora._invalidate_fused_cache()
+        return y.detach(), xi.grad, grads, y_eval, train_tiers, eval_tiers
+
+    for checkpointed in (False, True):
+        y1, dx1, g1, e1, t1, v1 = run("1", checkpointed)
+        y0, dx0, g0, e0, t0, v0 = run("0", checkpointed)
+        assert set(t1) == {dora.TIER_FUSED_BACKWARD} and set(v1) == {dora.TIER_FUSED_FORWARD}
+        assert set(t0) == set(v0) == {dora.TIER_EAGER}
+        assert y1.dtype == y0.dtype == e1.dtype == e0.dtype == half and dx1.dtype == half
+        assert_close(y1, y0, dtype=half)
+        assert_close(e1, e0, dtype=half)
+        assert_close(dx1, dx0, dtype=half)
+        assert sorted(g1) == sorted(g0) and len(g1) == 6
+        for name in g0:
+            assert g1[name].dtype == g0[name].dtype == torch.float32
+            assert_close(g1[name], g0[name], dtype=half, scale=6.0)
 
 
 def test_one_node_branch_frozen_parts_zero_tokens_and_broadcast_gradient(monkeypatch):

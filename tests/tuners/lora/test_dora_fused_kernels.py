@@ -109,12 +109,16 @@ def test_branch_node_stride_rejects_what_the_node_cannot_compute(case):
     assert dispatch.branch_node_stride(a, result, b, m, bias) is None
 
 
-def test_branch_node_takes_a_wider_fp32_result():
-    """bitsandbytes under autocast: an fp32 result (the fp32 hidden states) beside the bf16 branch; the node writes
-    an fp32 output. Not the other way round (a bf16 result beside an fp32 branch would be narrowed)."""
+def test_branch_node_takes_a_wider_fp32_result_or_branch():
+    """bitsandbytes under autocast: an fp32 result (the fp32 hidden states) beside the bf16 branch; PEFT's default
+    fp32 adapters beside a bf16 base without autocast: a bf16 result beside the fp32 branch. The node writes an fp32
+    output either way (PyTorch's promotion); two half dtypes it leaves alone."""
     a, result, b, m = _branch()
     assert dispatch.branch_node_stride(a, result.float(), b, m, None) == result.shape[-1]
-    assert dispatch.branch_node_stride(a.float(), result, b.float(), m, None) is None
+    assert dispatch.branch_node_stride(a.float(), result, b.float(), m, None) == result.shape[-1]
+    assert dispatch.branch_node_stride(a.half(), result, b.half(), m, None) is None
+    assert dispatch.mixed_output(torch.bfloat16, torch.float32) and dispatch.mixed_output(torch.float32, torch.float16)
+    assert not dispatch.mixed_output(torch.bfloat16, torch.float16)
 
 
 def test_norm_operand_rules():

@@ -201,6 +201,44 @@ def test_fused_tiers_match_eager_tier(dtype):
     assert_close(fused, eager)
 
 
+@pytest.mark.parametrize("half", (torch.bfloat16, torch.float16), ids=str)
+def test_fp32_adapters_beside_a_half_base_take_the_fused_tiers(half):
+    """PEFT's default fp32 adapters on a half-precision model run without autocast (``dispatch.wider_branch``, a
+    training loop of its own): a training step takes the fused backward tier and an eval forward the one-pass
+    kernel, where both took the eager tier before; the gradients err against fp64 at most 2x as much as the eager
+    tier's (+ a small floor), the eval output is the eager tier's within the half dtype's tolerance."""
+    torch.manual_seed(5)
+    base = nn.Sequential(nn.Linear(640, 1000), nn.GELU(), nn.Linear(1000, 130)).to("cuda", half)
+    config = LoraConfig(r=16, lora_alpha=32, target_modules=["0", "2"], use_dora=True, init_lora_weights=False)
+    model = get_peft_model(base, config)
+    layer = model.get_base_model()[0]
+    assert layer.lora_A["default"].weight.dtype == torch.float32 and layer.base_layer.weight.dtype == half
+    x = torch.randn(4, 77, 640, device="cuda").to(half)
+    weights = torch.randn(1000, device="cuda", dtype=torch.float64)
+    dora.tier_counts.clear()
+    fused = _layer_grads(layer, x, weights)
+    assert set(dora.tier_counts) == {dora.TIER_FUSED_BACKWARD}
+    ref = _reference_fp64(layer, x, weights)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PEFT_DORA_FUSED", "0")
+        dora._invalidate_fused_cache()
+        eager = _layer_grads(layer, x, weights)
+        with torch.no_grad():
+            eager_eval = model.eval()(x)
+    dora._invalidate_fused_cache()
+    for name, r in ref.items():
+        assert fused[name].dtype == torch.float32
+        err = ((fused[name].double() - r).norm() / r.norm()).item()
+        eager_err = ((eager[name].double() - r).norm() / r.norm()).item()
+        assert err <= 2 * eager_err + TOL[half][1] / 10, (name, err, eager_err)
+    with torch.no_grad():
+        dora.tier_counts.clear()
+        fused_eval = model(x)
+        assert set(dora.tier_counts) == {dora.TIER_FUSED_FORWARD}
+    assert fused_eval.dtype == eager_eval.dtype == half
+    assert_close(fused_eval, eager_eval, dtype=half)
+
+
 def _graph_breaks(module, x):
     torch._dynamo.reset()
     return torch._dynamo.explain(module)(x).graph_break_count
