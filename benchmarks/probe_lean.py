@@ -13,7 +13,9 @@ backward (no optimizer, no checkpointing, ``perf_counter`` without a sync, the q
   no norm work): what DoRA's output and backward cost the host at least, without a Python autograd node.
 
 ``peft_dora − peft_lora`` is ours' extra per module; ``torch_dora − torch_lora`` the formula's own. The record
-keeps every round's medians (µs per module) and the kinds alternate within each round.
+keeps every round's medians (µs per module) and the kinds alternate within each round. ``--modes``: ``bf16`` (base
+and adapters), ``autocast`` (fp32 adapters beside the bf16 base, bf16 autocast) and ``mixed`` (the same without
+autocast: PEFT's default adapters in a training loop of its own).
 
     PYTHONPATH=<ours> python benchmarks/probe_lean.py --out $OUT/probe_lean.json
 """
@@ -45,12 +47,14 @@ class _TorchAdapter(nn.Module):
             self.register_buffer("norm", torch.rand(dim, dtype=adapter_dtype) + 1.0)
 
     def forward(self, x):
+        """As PEFT's LoRA layer: x cast to the adapters' dtype outside autocast, the sum cast to the base's dtype."""
         result = F.linear(x, self.weight)
-        lora = F.linear(F.linear(x, self.lora_a), self.lora_b)
+        x_a = x if torch.is_autocast_enabled("cuda") else x.to(self.lora_a.dtype)
+        lora = F.linear(F.linear(x_a, self.lora_a), self.lora_b)
         if not self.dora:
-            return result + lora * self.scale
+            return (result + lora * self.scale).to(result.dtype)
         g = self.magnitude / self.norm
-        return result + ((g - 1) * result + g * (lora * self.scale))
+        return (result + ((g - 1) * result + g * (lora * self.scale))).to(result.dtype)
 
 
 def _peft_model(args, dora: bool, dtype, adapter_dtype):
@@ -60,11 +64,10 @@ def _peft_model(args, dora: bool, dtype, adapter_dtype):
     body = nn.Sequential(*[nn.Linear(args.dim, args.dim, bias=False) for _ in range(args.modules)])
     body = body.to(device="cuda", dtype=dtype)
     config = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules="all-linear", use_dora=dora)
-    model = get_peft_model(body, config)
-    if adapter_dtype != dtype:
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                p.data = p.data.to(adapter_dtype)
+    model = get_peft_model(body, config)  # fp32 adapters beside the half base (PEFT's autocast_adapter_dtype)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.to(adapter_dtype)
     model.train()
     return model
 
@@ -97,16 +100,20 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--modes", default="bf16,autocast", help="bf16: all bf16; autocast: fp32 adapters, bf16 base")
+    p.add_argument(
+        "--modes",
+        default="bf16,autocast,mixed",
+        help="bf16: all bf16; autocast: fp32 adapters, bf16 base, bf16 autocast; mixed: the same without autocast",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args()
     import peft
 
-    result = {"env": {"peft": peft.__file__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}}
+    result = {"env": {"peft": peft.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}}
     result["config"] = {k: v for k, v in vars(args).items() if k != "out"}
     for mode in args.modes.split(","):
         autocast = mode == "autocast"
-        dtype, adapter_dtype = torch.bfloat16, (torch.float32 if autocast else torch.bfloat16)
+        dtype, adapter_dtype = torch.bfloat16, (torch.float32 if mode in ("autocast", "mixed") else torch.bfloat16)
         models = {
             "peft_lora": _peft_model(args, False, dtype, adapter_dtype),
             "peft_dora": _peft_model(args, True, dtype, adapter_dtype),
