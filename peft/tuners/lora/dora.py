@@ -69,6 +69,7 @@ from .dora_dispatch import (
     output_layout,
     record,
     records_grad,
+    wider_branch,
     wider_result,
 )
 from .dora_dispatch import tier_counts as tier_counts  # public here, as documented
@@ -851,9 +852,11 @@ class DoraLinearLayer(nn.Module):
         keeps the LoRA output PyTorch's ``result + lora`` would add: ``(result + s·lora)·g + (1 − g)·bias`` in fp32,
         up to ``SMALL_FORWARD_WIDE_NUMEL`` elements (folding ``s·g`` into B rounds the LoRA term differently, which
         moved an LLM.int8 output off upstream's by more than bf16's tolerance in a GPU test); larger ones take the
-        one-pass kernel. None where ``result``'s dtype is neither."""
+        one-pass kernel. A half ``result`` beside an fp32 branch (fp32 adapters without autocast,
+        ``dora_dispatch.wider_branch``) takes the same three ops in fp32, the output fp32 (PyTorch's promotion), with
+        ``g·result`` added in fp32. None where ``result``'s dtype is none of these."""
         branch_dtype = dora_decode.compute_dtype(x)
-        if result.dtype != branch_dtype:
+        if result.dtype != branch_dtype and not wider_branch(result.dtype, branch_dtype):
             if not wider_result(result.dtype, branch_dtype) or result.numel() > dora_dispatch.SMALL_FORWARD_WIDE_NUMEL:
                 return None
             bias_row = factors[2] if len(factors) > 2 else None
@@ -874,7 +877,7 @@ class DoraLinearLayer(nn.Module):
         rows = self._reuse.rows
         branch_dtype = dora_decode.compute_dtype(x)
         row_scale = None
-        if result.dtype == branch_dtype:
+        if result.dtype == branch_dtype or wider_branch(result.dtype, branch_dtype):
             kept = self._reuse.scaled_b
             if kept is not None and kept[0] is rows[0] and kept[1] == branch_dtype:
                 scaled_b, bias_term = kept[2], kept[3]
@@ -1051,7 +1054,7 @@ class DoraLinearLayer(nn.Module):
             return
         state = _small_state(x, result, scaling)
         cached = self._cache_get(f"weight-norm-{adapter_name}", None) if ENABLE_DORA_CACHING else None
-        wide = result.dtype != lora.dtype
+        wide = wider_result(result.dtype, lora.dtype)  # its own size limit (beside a wider branch, the small tier's)
         norm = weight_norm.detach().clone()
         record = SmallRecord(tensors, state, None, None, None, cached, norm, float(eps), wide)
         self._reuse.keep_eval_record(record, ENABLE_DORA_CACHING)
@@ -1092,8 +1095,8 @@ class DoraLinearLayer(nn.Module):
             out = _small_fp32(x, result, *plain, float(scaling), kept.g, kept.bias_term)
         else:  # s·g·B kept, or (a B too large to keep twice) scaled as _scaled_b scales it
             scaled_b = kept.scaled_b
-            if scaled_b is None:
-                scaled_b = _scale_b(plain[1], kept.row_scale, result.dtype)
+            if scaled_b is None:  # in the branch's dtype: result's, or fp32 beside a half result (wider_branch)
+                scaled_b = _scale_b(plain[1], kept.row_scale, dora_decode.compute_dtype(x))
             out = _small_folded(x, result, plain[0], scaled_b, kept.bias_term, kept.g)
         if out is None:
             return None

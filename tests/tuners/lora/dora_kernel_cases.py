@@ -1482,10 +1482,11 @@ def test_one_node_branch_matches_separate_nodes(mode, bias, checkpointed, scaled
 @pytest.mark.parametrize("half", (torch.bfloat16, torch.float16), ids=str)
 def test_fp32_adapters_beside_a_half_base_take_the_fused_tiers(half, monkeypatch):
     """PEFT's default fp32 adapters on a half-precision model, trained and run without autocast (a training loop of
-    its own; ``dispatch.wider_branch``): training forwards, plain and checkpointed, take the fused backward tier and
-    eval forwards the one-pass kernel, where they took the eager tier before; outputs and gradients are the eager
-    tier's within the half dtype's tolerance, in the same dtypes (the LoRA layer casts its fp32 sum back to the
-    base's dtype, as it does LoRA's)."""
+    its own; ``dispatch.wider_branch``): training forwards, plain and checkpointed, take the fused backward tier,
+    where they took the eager tier before; eval forwards the small tier (its three ops in fp32, with B scaled per
+    forward where B is too large to keep) or above its limit the one-pass kernel, each again from the layers'
+    records with the same bits. Outputs and gradients are the eager tier's within the half dtype's tolerance, in
+    the same dtypes (the LoRA layer casts its fp32 sum back to the base's dtype, as it does LoRA's)."""
     from torch.utils.checkpoint import checkpoint
 
     from peft.tuners.lora import dora
@@ -1494,7 +1495,7 @@ def test_fp32_adapters_beside_a_half_base_take_the_fused_tiers(half, monkeypatch
     x = torch.randn(4, 9, 24, generator=torch.Generator().manual_seed(3)).to(half)
     d_y = torch.randn(4, 9, 33, generator=torch.Generator().manual_seed(4)).to(half)
 
-    def run(fused: str, checkpointed: bool):
+    def train(fused: str, checkpointed: bool):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("PEFT_DORA_FUSED", fused)
             dora._invalidate_fused_cache()
@@ -1503,28 +1504,52 @@ def test_fp32_adapters_beside_a_half_base_take_the_fused_tiers(half, monkeypatch
             xi = x.detach().requires_grad_()
             y = checkpoint(model, xi, use_reentrant=False) if checkpointed else model(xi)
             y.backward(d_y)
-            train_tiers = dict(dora.tier_counts)
-            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-            dora.tier_counts.clear()
-            with torch.no_grad():
-                y_eval = model.eval()(x)
-            eval_tiers = dict(dora.tier_counts)
+            tiers = dict(dora.tier_counts)
         dora._invalidate_fused_cache()
-        return y.detach(), xi.grad, grads, y_eval, train_tiers, eval_tiers
+        return y.detach(), xi.grad, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, tiers
 
     for checkpointed in (False, True):
-        y1, dx1, g1, e1, t1, v1 = run("1", checkpointed)
-        y0, dx0, g0, e0, t0, v0 = run("0", checkpointed)
-        assert set(t1) == {dora.TIER_FUSED_BACKWARD} and set(v1) == {dora.TIER_FUSED_FORWARD}
-        assert set(t0) == set(v0) == {dora.TIER_EAGER}
-        assert y1.dtype == y0.dtype == e1.dtype == e0.dtype == half and dx1.dtype == half
+        y1, dx1, g1, t1 = train("1", checkpointed)
+        y0, dx0, g0, t0 = train("0", checkpointed)
+        assert set(t1) == {dora.TIER_FUSED_BACKWARD} and set(t0) == {dora.TIER_EAGER}
+        assert y1.dtype == y0.dtype == dx1.dtype == half
         assert_close(y1, y0, dtype=half)
-        assert_close(e1, e0, dtype=half)
         assert_close(dx1, dx0, dtype=half)
         assert sorted(g1) == sorted(g0) and len(g1) == 6
         for name in g0:
             assert g1[name].dtype == g0[name].dtype == torch.float32
             assert_close(g1[name], g0[name], dtype=half, scale=6.0)
+
+    def evaluate(fused: str, small_numel: int = dispatch.SMALL_FORWARD_NUMEL, kept_numel=dispatch.SCALED_B_KEPT_NUMEL):
+        outs, tiers = [], []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PEFT_DORA_FUSED", fused)
+            mp.setattr(dispatch, "SMALL_FORWARD_NUMEL", small_numel)
+            mp.setattr(dispatch, "SCALED_B_KEPT_NUMEL", kept_numel)
+            dora._invalidate_fused_cache()
+            model.train().eval()  # no record of an earlier call's left
+            with torch.no_grad():
+                for _ in range(2):  # the full path, then the layers' records
+                    dora.tier_counts.clear()
+                    outs.append(model(x))
+                    tiers.append(set(dora.tier_counts))
+            layers = [model.base_model.model[i].lora_magnitude_vector["default"] for i in (0, 1)]
+            kept = [layer._reuse.eval_records(False) for layer in layers]  # (small, one-pass) per layer
+        dora._invalidate_fused_cache()
+        return outs, tiers, kept
+
+    (want, _), _, _ = evaluate("0")
+    for small_numel, kept_numel, tier in (
+        (dispatch.SMALL_FORWARD_NUMEL, dispatch.SCALED_B_KEPT_NUMEL, dora.TIER_SMALL_FORWARD),  # s·g·B kept
+        (dispatch.SMALL_FORWARD_NUMEL, 0, dora.TIER_SMALL_FORWARD),  # B scaled in each forward
+        (0, dispatch.SCALED_B_KEPT_NUMEL, dora.TIER_FUSED_FORWARD),  # above the small tier's limit
+    ):
+        outs, tiers, kept = evaluate("1", small_numel, kept_numel)
+        assert tiers == [{tier}, {tier}], (small_numel, kept_numel)
+        which = 0 if tier == dora.TIER_SMALL_FORWARD else 1
+        assert all(records[which] is not None and records[1 - which] is None for records in kept), (tier, kept)
+        assert outs[0].dtype == half and torch.equal(outs[1], outs[0])
+        assert_close(outs[0], want, dtype=half)
 
 
 def test_one_node_branch_frozen_parts_zero_tokens_and_broadcast_gradient(monkeypatch):

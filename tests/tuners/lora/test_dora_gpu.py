@@ -204,9 +204,10 @@ def test_fused_tiers_match_eager_tier(dtype):
 @pytest.mark.parametrize("half", (torch.bfloat16, torch.float16), ids=str)
 def test_fp32_adapters_beside_a_half_base_take_the_fused_tiers(half):
     """PEFT's default fp32 adapters on a half-precision model run without autocast (``dispatch.wider_branch``, a
-    training loop of its own): a training step takes the fused backward tier and an eval forward the one-pass
-    kernel, where both took the eager tier before; the gradients err against fp64 at most 2x as much as the eager
-    tier's (+ a small floor), the eval output is the eager tier's within the half dtype's tolerance."""
+    training loop of its own): a training step takes the fused backward tier and an eval forward the small tier
+    (above its limit the one-pass kernel), where both took the eager tier before; the gradients err against fp64 at
+    most 2x as much as the eager tier's (+ a small floor), the eval outputs are the eager tier's within the half
+    dtype's tolerance."""
     torch.manual_seed(5)
     base = nn.Sequential(nn.Linear(640, 1000), nn.GELU(), nn.Linear(1000, 130)).to("cuda", half)
     config = LoraConfig(r=16, lora_alpha=32, target_modules=["0", "2"], use_dora=True, init_lora_weights=False)
@@ -231,12 +232,16 @@ def test_fp32_adapters_beside_a_half_base_take_the_fused_tiers(half):
         err = ((fused[name].double() - r).norm() / r.norm()).item()
         eager_err = ((eager[name].double() - r).norm() / r.norm()).item()
         assert err <= 2 * eager_err + TOL[half][1] / 10, (name, err, eager_err)
-    with torch.no_grad():
-        dora.tier_counts.clear()
-        fused_eval = model(x)
-        assert set(dora.tier_counts) == {dora.TIER_FUSED_FORWARD}
-    assert fused_eval.dtype == eager_eval.dtype == half
-    assert_close(fused_eval, eager_eval, dtype=half)
+    for small_numel, tier in ((dispatch.SMALL_FORWARD_NUMEL, dora.TIER_SMALL_FORWARD), (0, dora.TIER_FUSED_FORWARD)):
+        with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dispatch, "SMALL_FORWARD_NUMEL", small_numel)
+            dora._invalidate_fused_cache()
+            dora.tier_counts.clear()
+            fused_eval = model.train().eval()(x)
+            assert set(dora.tier_counts) == {tier}
+        dora._invalidate_fused_cache()
+        assert fused_eval.dtype == eager_eval.dtype == half
+        assert_close(fused_eval, eager_eval, dtype=half)
 
 
 def _graph_breaks(module, x):
