@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from .dora_dispatch import DECODE_MAX_ROWS as MAX_TOKENS
-from .dora_dispatch import row_stride, wider_result
+from .dora_dispatch import mixed_output, row_stride
 from .dora_launch import HAS_TRITON
 from .dora_launch import cdiv as _cdiv
 from .dora_launch import next_pow2 as _next_pow2
@@ -122,14 +122,14 @@ def decode_layout(x, result, weight_a, weight_b) -> Optional[tuple[int, int, tor
     """(x's row stride, result's row stride, compute dtype) where :func:`decode_output` computes what
     ``F.linear(F.linear(x, A), B)`` and the composition would, else None (the matmul path then runs, with its own
     errors for what F.linear rejects): 1 to :data:`MAX_TOKENS` rows; float tensors on one device; without autocast
-    x, A and B in one dtype; ``result`` in the compute dtype (or fp32 beside a half one,
-    ``dora_dispatch.wider_result``: the output then is fp32); A and B with unit column stride and fewer than 2³¹
+    x, A and B in one dtype; ``result`` in the compute dtype (or fp32 beside a half one, or half beside an fp32 one,
+    ``dora_dispatch.mixed_output``: the output then is fp32); A and B with unit column stride and fewer than 2³¹
     elements; x and result as rows of matching shapes."""
     d_out = result.shape[-1] if result.dim() else 0
     if d_out == 0 or result.numel() > MAX_TOKENS * d_out or result.numel() == 0:
         return None
     dtype = compute_dtype(x)
-    if dtype not in _FLOAT_DTYPES or (result.dtype != dtype and not wider_result(result.dtype, dtype)):
+    if dtype not in _FLOAT_DTYPES or (result.dtype != dtype and not mixed_output(result.dtype, dtype)):
         return None
     if weight_a.dim() != 2 or weight_b.dim() != 2 or weight_a.stride(1) != 1 or weight_b.stride(1) != 1:
         return None
@@ -171,8 +171,8 @@ class DecodePlan:
     valid while :func:`plan_key` of its inputs (which includes the stream: the buffer is reused in stream order) and
     its reused factors tensor (``factors``, by identity) hold."""
 
-    __slots__ = ("key", "factors", "contiguous", "weight_a", "weight_b", "a", "ints_a", "ints_out", "grid_a",
-                 "grid_out", "meta_a", "meta_out", "token_a", "token_out")  # fmt: skip
+    __slots__ = ("key", "factors", "contiguous", "out_dtype", "weight_a", "weight_b", "a", "ints_a", "ints_out",
+                 "grid_a", "grid_out", "meta_a", "meta_out", "token_a", "token_out")  # fmt: skip
 
     def __init__(self, key, x, result, weight_a, weight_b, factors, scale: float, layout, has_bias: bool) -> None:
         stride_x, stride_result, dtype = layout
@@ -181,8 +181,11 @@ class DecodePlan:
         d_out = weight_b.shape[0]
         tokens = result.numel() // d_out
         self.a = torch.empty((tokens, rank), dtype=dtype, device=result.device)
-        # the output is written as contiguous rows: `empty_like` (the cheaper allocation) where `result` has them
+        # the output is written as contiguous rows: `empty_like` (the cheaper allocation) where `result` has them;
+        # in the wider of the compute dtype and result's (PyTorch's promotion), None where that is result's own
         self.contiguous = result.is_contiguous()
+        out_dtype = torch.promote_types(dtype, result.dtype)
+        self.out_dtype = None if out_dtype == result.dtype else out_dtype
         block_t = _next_pow2(tokens)
         block_r = 4 if rank <= 128 else 8
         block_k = max(32, min(1024, 4096 // (block_t * block_r)))
@@ -199,12 +202,16 @@ class DecodePlan:
     def run(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         """The decode output for rows that match the plan's key; a new tensor shaped like ``result``."""
         a = self.a
-        # the output takes `result`'s dtype: the compute dtype, or a wider fp32 (decode_layout)
-        out = (
-            torch.empty_like(result)
-            if self.contiguous
-            else torch.empty(result.shape, dtype=result.dtype, device=a.device)
-        )
+        # the output takes `result`'s dtype (the compute dtype, or a wider fp32), or the compute dtype's fp32 beside a
+        # half result (decode_layout)
+        if self.out_dtype is None:
+            out = (
+                torch.empty_like(result)
+                if self.contiguous
+                else torch.empty(result.shape, dtype=result.dtype, device=a.device)
+            )
+        else:
+            out = torch.empty(result.shape, dtype=self.out_dtype, device=a.device)
         args_a = (x, self.weight_a, a, *self.ints_a)
         args_out = (a, self.weight_b, result, self.factors, out, *self.ints_out)
         if self.token_a is None:  # first launch: compile or find the kernels, keep them for direct calls

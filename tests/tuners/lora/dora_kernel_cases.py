@@ -709,6 +709,28 @@ def test_decode_kernels_take_a_wider_fp32_result(tokens):
     assert err <= 2 * err_twin + 2 * want.abs().max() * torch.finfo(torch.bfloat16).eps, (err, err_twin)
 
 
+@pytest.mark.parametrize("half", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("tokens", (1, 3))
+def test_decode_kernels_take_a_half_result_beside_an_fp32_branch(tokens, half):
+    """PEFT's default fp32 adapters beside a half base without autocast (``dispatch.wider_branch``; what
+    ``PeftModel.from_pretrained`` loads onto a bf16 model): x, A and B fp32, the result half; the output is fp32, as
+    the twin's (and PyTorch's promotion), and a plan made for it keeps writing fp32."""
+    from peft.tuners.lora import dora_decode as Dd
+
+    x, result, weight_a, weight_b, factors, _ = _decode_inputs(tokens, 64, 8, 40, "fp32", True)
+    result = result.to(half)
+    layout = Dd.decode_layout(x, result, weight_a, weight_b)
+    assert layout is not None and layout[2] == torch.float32
+    plan = Dd.DecodePlan(Dd.plan_key(x, result), x, result, weight_a, weight_b, factors, SCALE, layout, True)
+    out, again = plan.run(x, result), plan.run(x, result)
+    twin = Dd.decode_output_torch(x, result, weight_a, weight_b, factors, SCALE, True)
+    assert out.dtype == again.dtype == twin.dtype == torch.float32 and torch.equal(out, again)
+    assert out.shape == result.shape
+    want = _decode_fp64(x, result, weight_a, weight_b, factors, True)
+    assert_close(out, want.float())
+    assert_close(twin, want.float())
+
+
 @pytest.mark.parametrize(
     "case",
     ["tokens", "zero_tokens", "b_dtype", "result_dtype", "a_columns", "b_shape", "x_columns", "int_x", "shapes"],
@@ -1484,9 +1506,10 @@ def test_fp32_adapters_beside_a_half_base_take_the_fused_tiers(half, monkeypatch
     """PEFT's default fp32 adapters on a half-precision model, trained and run without autocast (a training loop of
     its own; ``dispatch.wider_branch``): training forwards, plain and checkpointed, take the fused backward tier,
     where they took the eager tier before; eval forwards the small tier (its three ops in fp32, with B scaled per
-    forward where B is too large to keep) or above its limit the one-pass kernel, each again from the layers'
-    records with the same bits. Outputs and gradients are the eager tier's within the half dtype's tolerance, in
-    the same dtypes (the LoRA layer casts its fp32 sum back to the base's dtype, as it does LoRA's)."""
+    forward where B is too large to keep) or above its limit the one-pass kernel, and a decode step the decode
+    kernels, each again from the layers' records with the same bits. Outputs and gradients are the eager tier's
+    within the half dtype's tolerance, in the same dtypes (the LoRA layer casts its fp32 sum back to the base's
+    dtype, as it does LoRA's)."""
     from torch.utils.checkpoint import checkpoint
 
     from peft.tuners.lora import dora
@@ -1520,7 +1543,8 @@ def test_fp32_adapters_beside_a_half_base_take_the_fused_tiers(half, monkeypatch
             assert g1[name].dtype == g0[name].dtype == torch.float32
             assert_close(g1[name], g0[name], dtype=half, scale=6.0)
 
-    def evaluate(fused: str, small_numel: int = dispatch.SMALL_FORWARD_NUMEL, kept_numel=dispatch.SCALED_B_KEPT_NUMEL):
+    def evaluate(fused: str, small_numel: int = dispatch.SMALL_FORWARD_NUMEL, kept_numel=dispatch.SCALED_B_KEPT_NUMEL,
+                 x=x):  # fmt: skip
         outs, tiers = [], []
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("PEFT_DORA_FUSED", fused)
@@ -1550,6 +1574,13 @@ def test_fp32_adapters_beside_a_half_base_take_the_fused_tiers(half, monkeypatch
         assert all(records[which] is not None and records[1 - which] is None for records in kept), (tier, kept)
         assert outs[0].dtype == half and torch.equal(outs[1], outs[0])
         assert_close(outs[0], want, dtype=half)
+    # a decode step (two rows): the decode kernels, then their plan through the decode record
+    step = x[0, :2]
+    (want, _), _, _ = evaluate("0", x=step)
+    outs, tiers, _ = evaluate("1", x=step)
+    assert tiers == [{dora.TIER_DECODE}, {dora.TIER_DECODE}]
+    assert outs[0].dtype == half and torch.equal(outs[1], outs[0])
+    assert_close(outs[0], want, dtype=half)
 
 
 def test_one_node_branch_frozen_parts_zero_tokens_and_broadcast_gradient(monkeypatch):

@@ -283,16 +283,18 @@ def test_torch_compile_graph_breaks_with_dropout():
 
 
 @pytest.mark.parametrize("bias", (False, True))
-@pytest.mark.parametrize("mode", ("fp32", "bf16", "fp16", "autocast"))
+@pytest.mark.parametrize("mode", ("fp32", "bf16", "fp16", "autocast", "mixed"))
 @pytest.mark.parametrize("tokens, d_in, rank, d_out", [(1, 4096, 384, 14336), (3, 14336, 768, 4096), (8, 1000, 7, 37)])
 def test_decode_kernels_match_twin(tokens, d_in, rank, d_out, mode, bias):
     """The two decode launches against their PyTorch twin (cuBLAS matmuls in the compute dtype, the composition in
     fp32) at the model benchmark's shapes and odd ones: no further from fp64 than the twin (both round a and lora to
-    the compute dtype; the GPU rounds to nearest), and equal to it within fp32 rounding in fp32."""
+    the compute dtype; the GPU rounds to nearest), and equal to it within fp32 rounding in fp32. ``mixed``: fp32 x,
+    A and B beside a bf16 result without autocast (PEFT's default adapters on a bf16 model), an fp32 output."""
     from peft.tuners.lora import dora_decode as Dd
 
     gen = torch.Generator(device="cuda").manual_seed(tokens + rank)
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "autocast": torch.bfloat16}[mode]
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "autocast": torch.bfloat16,
+             "mixed": torch.float32}[mode]  # fmt: skip
     factor_dtype = torch.float32 if mode == "autocast" else dtype
 
     def rand(*shape, div=1.0):
@@ -300,7 +302,7 @@ def test_decode_kernels_match_twin(tokens, d_in, rank, d_out, mode, bias):
 
     x = rand(tokens, d_in + 8)[:, 8:]
     weight_a, weight_b = rand(rank, d_in, div=d_in**0.5), rand(d_out, rank, div=rank**0.5)
-    result = torch.randn(tokens, d_out, device="cuda", generator=gen).to(dtype)
+    result = torch.randn(tokens, d_out, device="cuda", generator=gen).to(torch.bfloat16 if mode == "mixed" else dtype)
     g = torch.rand(d_out, device="cuda", generator=gen) + 0.5
     factors = torch.stack((g, (1 - g) * torch.randn(d_out, device="cuda", generator=gen)) if bias else (g,))
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "autocast"):
@@ -310,6 +312,7 @@ def test_decode_kernels_match_twin(tokens, d_in, rank, d_out, mode, bias):
         twin = Dd.decode_output_torch(x, result, weight_a, weight_b, factors, 0.75, bias)
     want = factors[0].double() * (result.double() + 0.75 * (x.double() @ weight_a.double().t() @ weight_b.double().t()))
     want = want + factors[1].double() if bias else want
+    assert out.dtype == twin.dtype == torch.promote_types(dtype, result.dtype)
     if dtype == torch.float32:
         assert_close(out, twin, dtype=dtype)
     err, err_twin = (out.double() - want).abs().max(), (twin.double() - want).abs().max()
