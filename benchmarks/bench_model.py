@@ -67,6 +67,9 @@ DEFAULT_IMPLS = ("upstream", "ours_eager", "ours_fused", "lora")
 DORA_IMPLS = ("upstream", "ours_eager", "ours_fused")
 CONVERGENCE_IMPLS = DORA_IMPLS + ("ours_fused_forced", "upstream_ulp")
 MODES = ("autocast", "bf16")
+# the grid's modes also take "mixed": PEFT's default fp32 adapters beside the bf16 base without autocast (a training
+# loop of one's own; PeftModel.from_pretrained onto a bf16 model), model_worker.FP32_ADAPTER_MODES
+GRID_MODES = MODES + ("mixed",)
 MEASURES = ("train", "train_accum4", "step_accum4", "infer", "decode")
 # opt-in: decode under peft.helpers.DoraCaching; decode of a DoRA impl paired with a LoRA twin in its own process
 EXTRA_MEASURES = ("decode_cached", "decode_paired")
@@ -160,7 +163,21 @@ TINY_GRID_ROWS = (  # every code path: both modes, both targets, dropout 0 and 0
     ("autocast", 4, 32, 1, "all", 0.05, False),
     ("bf16", 8, 64, 2, "qv", 0.0, True),
 )
-GRIDS = {"default": (GRID_SHAPES, GRID_ROWS), "tiny": (TINY_GRID_SHAPES, TINY_GRID_ROWS)}
+# fp32 adapters beside the bf16 base without autocast (--grid mixed, its own run and headline keys): the default
+# grid's axes at fewer points, each extreme once
+MIXED_GRID_ROWS = (
+    # mode    rank  seq  batch targets dropout accum4
+    ("mixed",   8,  512, 1, "all", 0.05, False),
+    ("mixed",  16, 1024, 4, "all", 0.0,  True),
+    ("mixed",  64, 2048, 1, "qv",  0.05, False),
+    ("mixed", 768,  512, 4, "qv",  0.0,  False),
+    ("mixed",  32, 4096, 2, "all", 0.0,  False),
+)  # fmt: skip
+GRIDS = {
+    "default": (GRID_SHAPES, GRID_ROWS),
+    "tiny": (TINY_GRID_SHAPES, TINY_GRID_ROWS),
+    "mixed": (GRID_SHAPES, MIXED_GRID_ROWS),
+}
 GRID_IMPLS = ("upstream", "ours_fused", "lora")
 GRID_ROUND_IMPLS = ["ours_fused", "lora"]  # upstream runs once: only its training speed-up is a headline key
 # upstream's training step paired with a LoRA twin in its own process, as ours is in ours: the speed-up is the ratio of
@@ -226,7 +243,7 @@ def parse_args(argv=None):
         help=f"comma list of {', '.join(IMPLS)} (default {','.join(DEFAULT_IMPLS)}; grid and --compile "
         f"{','.join(GRID_IMPLS)})",
     )
-    a("--modes", default=",".join(MODES), help="comma list of autocast, bf16")
+    a("--modes", help="comma list of autocast, bf16 (default: both; a grid: its rows' modes, which may be mixed)")
     a(
         "--measures",
         help=f"comma list of {', '.join(MEASURES + EXTRA_MEASURES)} (default: all but the opt-in "
@@ -314,6 +331,11 @@ def _names(s: str, allowed) -> list:
     return names
 
 
+def _grid_modes(name: str) -> list:
+    """The precision modes of the named grid's rows, in order."""
+    return list(dict.fromkeys(row[0] for row in GRIDS[name][1]))
+
+
 def resolve_config(args) -> dict:
     """Everything a worker needs to build the model and run the tasks, with the tiny/full defaults filled in."""
     tiny = args.tiny or args.grid == "tiny"
@@ -385,7 +407,9 @@ def resolve_config(args) -> dict:
         "ranks": ranks,
         # under --compile both of ours trace the same PyTorch output (the fused tiers are off): ours_fused only
         "impls": _names(args.impls or ",".join(GRID_IMPLS if grid or args.compile else DEFAULT_IMPLS), IMPLS),
-        "modes": _names(args.modes, MODES),
+        "modes": _names(
+            args.modes or ",".join(_grid_modes(args.grid) if grid else MODES), GRID_MODES if grid else MODES
+        ),
         "measures": measures,
         "tasks": tasks,
         "repeats": pick(args.repeats, 5, 2),
@@ -1076,7 +1100,19 @@ GRID_WORST = (  # headline key, modes, measures: the largest ours fused / LoRA o
     ("grid_worst_dora_over_lora_decode", MODES, ("decode_step_paired",)),
     ("grid_worst_dora_over_lora_train_paired", ("autocast",), ("train_step_paired",)),
     ("grid_worst_dora_over_lora_train_paired_bf16", ("bf16",), ("train_step_paired",)),
+    ("grid_worst_dora_over_lora_train_mixed", ("mixed",), TRAIN_MEASURES),
+    ("grid_worst_dora_over_lora_infer_mixed", ("mixed",), ("infer_step_paired",)),
+    ("grid_worst_dora_over_lora_decode_mixed", ("mixed",), ("decode_step_paired",)),
+    ("grid_worst_dora_over_lora_train_paired_mixed", ("mixed",), ("train_step_paired",)),
 )
+# what a --grid mixed run writes to the headline: its own keys only, so that it leaves the default grid's alone
+MIXED_GRID_KEYS = {
+    "grid_points": "grid_mixed_points",
+    "grid_median_dora_over_lora_train_paired": "grid_mixed_median_dora_over_lora_train_paired",
+    "grid_worst_speedup_vs_upstream_train": "grid_mixed_worst_speedup_vs_upstream_train",
+    "grid_worst_speedup_vs_upstream_train_at": "grid_mixed_worst_speedup_vs_upstream_train_at",
+    "grid_gpu": "grid_mixed_gpu",
+}
 
 
 def grid_headline_values(doc: dict) -> dict:
@@ -1121,7 +1157,9 @@ def grid_headline_values(doc: dict) -> dict:
             key = f"grid_worst_cached_over_uncached_{name}"
             out[key], out[key + "_at"] = max(cached)
     out["grid_gpu"] = (doc.get("env") or {}).get("gpu")
-    return out
+    if doc["config"]["grid"].get("name") == "mixed":
+        return {MIXED_GRID_KEYS.get(k, k): v for k, v in out.items() if k in MIXED_GRID_KEYS or "_mixed" in k}
+    return {k: v for k, v in out.items() if "_mixed" not in k}
 
 
 def headline_values(doc: dict) -> dict:
@@ -1453,7 +1491,7 @@ def print_grid_plan(cfg: dict) -> None:
     calls = plan_calls(cfg)
     print(f"device calls: {len(calls)} (each with --deadline-min 8.5)")
     for k, call in enumerate(calls, 1):
-        modes = ",".join(call["modes"] or ["both modes"])
+        modes = ",".join(call["modes"] or cfg["modes"])
         print(f"  call {k}: {','.join(call['shapes'])} {modes} ~{call['s'] / 60:.1f} min")
         print(f"    {call_command(cfg['grid']['name'], call, k)}")
 

@@ -175,7 +175,7 @@ def render_grid(doc: dict) -> str:
 
     shapes = list(dict.fromkeys(r["point"]["shape"] for r in rows))
     for shape in shapes:
-        for mode in ("autocast", "bf16"):
+        for mode in bench_model.GRID_MODES:
             group = [r for r in rows if r["point"]["shape"] == shape and r["point"]["mode"] == mode]
             if not group:
                 continue
@@ -429,7 +429,7 @@ def plot_grid(doc: dict, out_dir: Path, stem: str) -> list:
 
     rows = bench_model.grid_ratios(doc)
     shapes = list(dict.fromkeys(r["point"]["shape"] for r in rows))
-    modes = [m for m in ("autocast", "bf16") if any(r["point"]["mode"] == m for r in rows)]
+    modes = [m for m in bench_model.GRID_MODES if any(r["point"]["mode"] == m for r in rows)]
     ranks = sorted({r["point"]["rank"] for r in rows})
     seqs = sorted({r["point"]["seq"] for r in rows})
     made = []

@@ -113,6 +113,35 @@ def test_headline_is_the_worst_point_per_measure_and_mode():
     assert head["grid_worst_speedup_vs_upstream_train_at"] == b["label"]
 
 
+def test_mixed_grid_reaches_its_axes_and_writes_only_its_own_headline_keys():
+    """``--grid mixed`` (fp32 adapters beside the bf16 base without autocast): its own points, every axis' extremes,
+    and a headline of ``grid_mixed_*`` / ``*_mixed`` keys only, so that its run leaves the default grid's keys alone
+    (and a default grid's headline has none of its keys)."""
+    cfg = bench_model.resolve_config(bench_model.parse_args(["--grid", "mixed"]))
+    points = cfg["grid"]["points"]
+    assert cfg["modes"] == ["mixed"] and {p["mode"] for p in points} == {"mixed"}
+    axes = {key: {p[key] for p in points} for key in ("shape", "rank", "seq", "targets", "dropout")}
+    assert axes["shape"] == set(bench_model.GRID_SHAPES) and (min(axes["rank"]), max(axes["rank"])) == (8, 768)
+    assert (min(axes["seq"]), max(axes["seq"])) == (512, 4096) and axes["targets"] == {"qv", "all"}
+    assert axes["dropout"] == {0.0, 0.05} and all(p["batch"] * p["seq"] <= 8192 for p in points)
+    assert all(c["s"] <= bench_model.CALL_BUDGET_S for c in bench_model.plan_calls(cfg))
+    a, b = _point("llama1b", "mixed", 8), _point("llama8b", "mixed", 64)
+    records = _point_records(a, ours=[12.0, 12.0], lora=[10.0, 10.0], upstream=30.0, decode=[1.02])
+    records += _point_records(b, ours=[11.0, 11.0], lora=[10.0, 10.0], upstream=30.0, decode=[1.07])
+    doc = _grid_doc([a, b], records)
+    doc["config"]["grid"]["name"], doc["config"]["modes"] = "mixed", ["mixed"]
+    head = bench_model.headline_values(doc)
+    assert head["grid_mixed_points"] == 2 and head["grid_mixed_gpu"] == "G"
+    assert head["grid_worst_dora_over_lora_train_mixed"] == pytest.approx(1.2)
+    assert head["grid_worst_dora_over_lora_train_mixed_at"] == a["label"]
+    assert head["grid_worst_dora_over_lora_infer_mixed"] == pytest.approx(1.2)
+    assert head["grid_worst_dora_over_lora_decode_mixed"] == pytest.approx(1.07)
+    assert head["grid_mixed_worst_speedup_vs_upstream_train_at"] == a["label"]
+    assert all(k.startswith("grid_mixed_") or "_mixed" in k for k in head)
+    default = bench_model.headline_values(_grid_doc([a, b], records))
+    assert not any("mixed" in k for k in default) and default["grid_worst_dora_over_lora_train"] is None
+
+
 def test_a_record_that_failed_its_gradient_proof_leaves_the_headline(tmp_path, capsys):
     a = _point("llama1b", "autocast", 8)
     b = _point("llama3b", "autocast", 16)
@@ -360,6 +389,26 @@ def test_compiled_pairs_time_a_twin_model_that_trains_from_the_same_weights():
     assert train["grad_proof"]["ok"] and train["lora_grad_proof"]["ok"] and len(train["pair_ratios"]) == 2
     infer = model_worker.twin_pairs("infer_step_paired", models, models, cfg, "bf16", device, pairs=2)
     assert len(infer["pair_ratios"]) == 2 and "grad_proof" not in infer
+
+
+def test_mixed_mode_pairs_train_and_infer_with_fp32_adapters_beside_the_bf16_base():
+    """The grid's ``mixed`` mode: the DoRA adapter and its LoRA twin in fp32 beside the bf16 base, no autocast; the
+    paired training step proves both sides' gradients, the paired forward and decode steps run."""
+    spec = bench_model.resolve_config(bench_model.parse_args(["--tiny", "--device", "cpu"]))
+    cfg, device = spec["model"], torch.device("cpu")
+    base = model_worker.build_base(cfg, device, torch.bfloat16)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    where = dict(shape="tiny", mode="mixed", rank=4, seq=16, batch=1, targets="qv", dropout=0.05)
+    point = dict(where, label=bench_model.point_label(**where), modules=["q_proj", "v_proj"], accum4=False)
+    model = model_worker.wrap(base, cfg, 4, {"dora": True}, "mixed", point["modules"], point["dropout"])
+    model_worker.seed_adapters(model, cfg["seed"], cfg["config_kwargs"]["initializer_range"])
+    train = model_worker.train_step_paired(model, cfg, point, device, pairs=1)
+    assert train["grad_proof"]["ok"] and train["lora_grad_proof"]["ok"]
+    dtypes = {n.split(".")[-2]: p.dtype for n, p in model.named_parameters() if "lora_" in n}
+    assert set(dtypes) == {"default", model_worker.TWIN} and set(dtypes.values()) == {torch.float32}
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" not in n} == {torch.bfloat16}
+    assert len(model_worker.infer_step_paired(model, cfg, point, device, pairs=1)["pair_ratios"]) == 1
+    assert model_worker.decode_step_paired(model, cfg, point, device, pairs=1, steps=2)["pair_ratios"]
 
 
 def test_committed_results_and_written_json_name_no_machine_folders(tmp_path):
