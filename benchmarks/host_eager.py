@@ -347,10 +347,11 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--bias", action="store_true")
-    p.add_argument(
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument(
         "--autocast", action="store_true", help="fp32 adapters, the step under bf16 autocast (--dtype: the base's)"
     )
-    p.add_argument(
+    precision.add_argument(
         "--mixed", action="store_true", help="fp32 adapters beside the --dtype base, no autocast (PEFT's default)"
     )
     p.add_argument("--dropout", type=float, default=0.0, help="lora_dropout (LoRA's and DoRA's)")

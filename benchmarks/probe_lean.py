@@ -108,10 +108,12 @@ def main() -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     import peft
+    from peft.tuners.lora.dora_dispatch import tier_counts  # ours: the tiers each mode's DoRA forwards took
 
     result = {"env": {"peft": peft.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}}
     result["config"] = {k: v for k, v in vars(args).items() if k != "out"}
     for mode in args.modes.split(","):
+        tier_counts.clear()
         autocast = mode == "autocast"
         dtype, adapter_dtype = torch.bfloat16, (torch.float32 if mode in ("autocast", "mixed") else torch.bfloat16)
         models = {
@@ -133,8 +135,7 @@ def main() -> int:
             "median_us_per_module": med,
             "peft_dora_extra_us": round(med["peft_dora"] - med["peft_lora"], 2),
             "torch_dora_extra_us": round(med["torch_dora"] - med["torch_lora"], 2),
-            "tiers": getattr(peft.tuners.lora.dora_dispatch, "tier_counts", None)
-            and dict(peft.tuners.lora.dora_dispatch.tier_counts),
+            "tiers": dict(tier_counts),
         }
         print(mode, json.dumps(result[mode]["median_us_per_module"]), "extra peft/torch",
               result[mode]["peft_dora_extra_us"], result[mode]["torch_dora_extra_us"], flush=True)  # fmt: skip
