@@ -199,3 +199,62 @@ class StandInNormGraph:
                 self.out.copy_(norm)
         else:
             self.out.data.copy_(norm)
+
+
+def dropout_step(layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, seed: int = 7) -> dict:
+    """One training step of a DoRA LoRA Linear with LoRA dropout: its output, its input's gradient and the adapter's
+    gradients, the dropped-out input its ``lora_dropout`` module returned (``dropped``), and how many times
+    ``dora_fused.DroppedHalfBase`` ran (``half_bases``). The loss is ``sum(y·weights)``."""
+    from peft.tuners.lora import dora_fused
+
+    seen, calls = [], []
+    handle = layer.lora_dropout["default"].register_forward_hook(lambda m, i, out: seen.append(out.detach()))
+    original = dora_fused.DroppedHalfBase.forward
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    dora_fused.DroppedHalfBase.forward = staticmethod(counted)
+    try:
+        layer.train().zero_grad(set_to_none=True)
+        x = x.detach().requires_grad_()
+        torch.manual_seed(seed)
+        y = layer(x)
+        (y.double() * weights).sum().backward()
+    finally:
+        handle.remove()
+        dora_fused.DroppedHalfBase.forward = staticmethod(original)
+    grads = {
+        name: getattr(layer, name)["default"].weight.grad for name in ("lora_A", "lora_B", "lora_magnitude_vector")
+    }
+    return {"y": y.detach(), "dx": x.grad, "grads": grads, "dropped": seen[-1], "half_bases": len(calls)}
+
+
+def dropout_reference_fp64(layer: nn.Module, x: torch.Tensor, dropped: torch.Tensor, weights: torch.Tensor) -> dict:
+    """:func:`dropout_step`'s output and gradients in fp64 from DoRA's definition under upstream's dropout semantics
+    (``y = W·x + b + (g - 1)·W·d + g·s·B·A·d``, ``d`` the dropped-out input with ``dropped``'s mask, the norm of
+    ``W + s·B·A`` detached)."""
+    keep = 1.0 - layer.lora_dropout["default"].p
+    W = layer.base_layer.weight.detach().double()
+    b = layer.base_layer.bias
+    b = 0.0 if b is None else b.detach().double()
+    A, B, m = (
+        getattr(layer, name)["default"].weight.detach().double().requires_grad_()
+        for name in ("lora_A", "lora_B", "lora_magnitude_vector")
+    )
+    s = layer.scaling["default"]
+    xd = x.detach().double().requires_grad_()
+    d = xd * (dropped != 0) / keep
+    g = m / (W + s * B @ A).norm(dim=1).detach()
+    y = xd @ W.T + b + (g - 1) * (d @ W.T) + g * (s * (d @ A.T @ B.T))
+    (y * weights).sum().backward()
+    return {
+        "y": y.detach(),
+        "dx": xd.grad,
+        "grads": {"lora_A": A.grad, "lora_B": B.grad, "lora_magnitude_vector": m.grad},
+    }
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref).norm() / ref.norm()).item()

@@ -257,8 +257,11 @@ class DoraLinearLayer(nn.Module):
             weight_norm = weight_norm.to("cpu")
         self.weight = nn.Parameter(weight_norm, requires_grad=True)
 
-    def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, adapter_name="default"):
-        """The DoRA delta to add to the base layer's output: ``(g - 1)·base + g·(s·lora)``."""
+    def forward(
+        self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, adapter_name="default", keep=None
+    ):  # fmt: skip
+        """The DoRA delta to add to the base layer's output: ``(g - 1)·base + g·(s·lora)`` (``keep``: see
+        :meth:`dropout_output`)."""
         weight = _forward_weight(base_layer)
         if dora_dist.fsdp1_unit(lora_A) or dora_dist.fsdp1_unit(lora_B):
             # FSDP1 units of their own: A and B are whole only inside their forwards, so the branch first
@@ -274,7 +277,7 @@ class DoraLinearLayer(nn.Module):
         if lora_result is None:
             lora_result = _lora_output(lora_A, lora_B, x)
         if base_result is None:
-            return self._dropped_delta(x, weight, lora_result, g, scaling)
+            return self._dropped_delta(x, weight, lora_result, g, scaling, keep)
         bias = base_layer.bias
         if bias is not None:
             base_result = base_result - bias
@@ -379,23 +382,28 @@ class DoraLinearLayer(nn.Module):
         base_result = result if bias is None else result - bias
         return result + self._compose(lora, base_result, g, scaling, gates)
 
-    def dropout_output(self, x, result, *, lora_A, lora_B, scaling, base_layer, adapter_name="default"):
+    def dropout_output(self, x, result, *, lora_A, lora_B, scaling, base_layer, adapter_name="default", keep=None):
         """``result + forward(x)`` for the dropped-out input ``x`` (LoRA dropout, upstream's semantics: the magnitude
         scales ``W·x`` of the dropped-out input, a second base matmul). A training forward of a Linear with a plain
         LoRA branch and a dense or bitsandbytes-quantized W, whose output fits PEFT_DORA_FWD_CHUNK_MB, runs ``W·x`` and
         ``a = x·Aᵀ`` as ordinary matmuls and the rest in the output's node (``FusedDoRALinearFunction`` with its
         ``base`` input): one node in place of the composition's ops and the residual add; anything else composes as
-        :meth:`forward` does."""
+        :meth:`forward` does. ``keep``: ``x`` is ``nn.Dropout``'s output (keep probability ``keep``) of a bf16 input
+        cast to fp32 adapters (:func:`_half_input_keep`), so a bf16 W computes ``W·x`` without an fp32 copy
+        (:func:`_dropped_base`)."""
         if type(self) is DoraLinearLayer and not torch.compiler.is_compiling():
-            out = self._dropout_node(x, result, lora_A, lora_B, scaling, base_layer, adapter_name)
+            out = self._dropout_node(x, result, lora_A, lora_B, scaling, base_layer, adapter_name, keep)
             if out is not None:
                 return out
+        kwargs = {} if keep is None else {"keep": keep}  # the Linear's own forward takes it (not Conv's)
         return result + self(
             x, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer, base_result=None,
-            adapter_name=adapter_name,
+            adapter_name=adapter_name, **kwargs,
         )  # fmt: skip
 
-    def _dropout_node(self, x, result, lora_A, lora_B, scaling, base_layer, adapter_name) -> Optional[torch.Tensor]:
+    def _dropout_node(
+        self, x, result, lora_A, lora_B, scaling, base_layer, adapter_name, keep=None
+    ) -> Optional[torch.Tensor]:
         plain = _plain_branch(lora_A, lora_B)
         weight = _forward_weight(base_layer)
         quantized = isinstance(weight, dora_quant.QuantizedWeight)
@@ -409,10 +417,13 @@ class DoraLinearLayer(nn.Module):
             return None  # W·x whole would pass PEFT_DORA_FWD_CHUNK_MB: the composition in output slices
         autocast = torch.is_autocast_enabled(x.device.type)
         branch_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
-        if result.dtype != branch_dtype and not wider_result(result.dtype, branch_dtype):
-            return None  # e.g. fp32 adapters beside a bf16 result without autocast: nothing computed in vain
         dense = None if quantized else _oriented(weight, self.fan_in_fan_out)
-        if dense is not None and dense.dtype != x.dtype and not autocast:
+        masked = None if dense is None else _half_source(x, dense, keep)
+        if result.dtype != branch_dtype and not (
+            wider_result(result.dtype, branch_dtype) or (masked is not None and wider_branch(result.dtype, x.dtype))
+        ):  # fmt: skip
+            return None  # e.g. fp32 adapters beside a bf16 result without autocast: nothing computed in vain
+        if dense is not None and dense.dtype != x.dtype and not autocast and masked is None:
             return None  # W·x would need a cast of W (the composition's path makes it)
         weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
         if not norm_operand(weight_norm, magnitude):
@@ -423,7 +434,7 @@ class DoraLinearLayer(nn.Module):
             return None
         # bias-free (the bias is in result once); a quantized W dequantized for the matmul and again in the backward,
         # never kept between them (dora_quant.base_output)
-        base = dora_quant.base_output(weight, x) if quantized else F.linear(x, dense)
+        base = dora_quant.base_output(weight, x) if quantized else _dropped_base(x, dense, masked, keep)
         if base.shape != result.shape or base.dtype not in KERNEL_DTYPES or not base.is_contiguous():
             return None
         record(self, TIER_FUSED_BACKWARD)
@@ -473,27 +484,33 @@ class DoraLinearLayer(nn.Module):
         grad = gates.grad if gates is not None else records_grad(lora, base, g)
         return dora_fused.compose_torch(lora, base, g, scaling, inplace=not grad)
 
-    def _dropped_delta(self, x, weight, lora_result, g, scaling) -> torch.Tensor:
+    def _dropped_delta(self, x, weight, lora_result, g, scaling, keep=None) -> torch.Tensor:
         """The DoRA delta for the dropped-out ``x`` (LoRA dropout, upstream's semantics): ``base = W·x`` dequantized
         for the matmul on a bitsandbytes base (no dense W kept from the forward to the backward), else in output
         slices (:meth:`_base_chunks`), composed with ``lora_result``."""
         if isinstance(weight, dora_quant.QuantizedWeight):
             return self._compose(lora_result, dora_quant.base_output(weight, x), g, scaling)
-        return self._base_chunks(x, weight, lora_result, g, scaling)
+        return self._base_chunks(x, weight, lora_result, g, scaling, keep)
 
-    def _base_chunks(self, x, weight, lora_result, g, scaling) -> torch.Tensor:
+    def _base_chunks(self, x, weight, lora_result, g, scaling, keep=None) -> torch.Tensor:
         """Dropout path: ``base = W·dropout(x)`` computed and composed in output slices of PEFT_DORA_FWD_CHUNK_MB."""
         weight = _oriented(weight, self.fan_in_fan_out)
-        if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+        masked = _half_source(x, weight, keep)
+        if masked is None and weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             # autocast runs the matmul in its own dtype: a cast here would copy W to x's (fp32) dtype every forward
             weight = weight.to(x.dtype)
         d_out = weight.shape[0]
         row_bytes = max(1, lora_result.numel() // max(d_out, 1)) * lora_result.element_size()
         step = max(1, (dora_settings.current().fwd_chunk_mb * dora_settings.MB) // row_bytes)
         if step >= d_out:
-            return self._compose(lora_result, F.linear(x, weight), g, scaling)
+            return self._compose(lora_result, _dropped_base(x, weight, masked, keep), g, scaling)
         parts = [
-            self._compose(lora_result[..., c : c + step], F.linear(x, weight[c : c + step]), g[c : c + step], scaling)
+            self._compose(
+                lora_result[..., c : c + step],
+                _dropped_base(x, weight[c : c + step], masked, keep),
+                g[c : c + step],
+                scaling,
+            )  # fmt: skip
             for c in range(0, d_out, step)
         ]
         return torch.cat(parts, dim=-1)
@@ -934,7 +951,7 @@ class DoraLinearLayer(nn.Module):
         )
 
     def recorded_training_output(
-        self, x, result, lora_A, lora_B, scaling, base_layer, exact=False
+        self, x, result, lora_A, lora_B, scaling, base_layer, exact=False, keep=None
     ) -> Optional[torch.Tensor]:
         """A training forward (or its checkpoint recompute) from the layer's :class:`dora_cache.TrainRecord`:
         ``a = x·Aᵀ`` and the one-node branch with the norm its norm record answers, after the record's checks and
@@ -987,12 +1004,18 @@ class DoraLinearLayer(nn.Module):
         if not grad_mode:
             if exact:  # what forward composes there (base_result None), without the node's gates and module calls
                 g = self._scale(norm, weight.dtype)
-                return result + self._dropped_delta(x, weight, F.linear(a, weight_b), g, kept.scale)
+                return result + self._dropped_delta(x, weight, F.linear(a, weight_b), g, kept.scale, keep)
             return self._recorded_no_grad_output(kept, result, F.linear(a, weight_b), magnitude, norm, bias)
         if exact:
             # bias-free (the bias is in result once); a quantized W dequantized for the matmul and again in the
             # backward (dora_quant.base_output)
-            base = F.linear(x, weight) if kept.kind is None else dora_quant.base_output(weight, x)
+            if kept.kind is not None:
+                base = dora_quant.base_output(weight, x)
+            else:
+                masked = _half_source(x, weight, keep)
+                if masked is None and weight.dtype != x.dtype and not kept.state[4]:
+                    return None  # without autocast the dropout node declines a cast of W
+                base = _dropped_base(x, weight, masked, keep)
             if not base.is_contiguous():
                 return None
             record(self, TIER_FUSED_BACKWARD)
@@ -1507,6 +1530,7 @@ class DoraLinearVariant(_DoraVariantBase):
         scaling, base_layer = module.scaling[active_adapter], _base_layer(module)
         dropout = modules["lora_dropout"]._modules[active_adapter]
         dropped = module.training and not isinstance(dropout, nn.Identity)
+        source = x  # the layer's input, before any cast
         if dropped or not torch.is_autocast_enabled(x.device.type):
             # upstream's cast of x to the adapter's dtype (fp32 by default). Under autocast without dropout it is
             # skipped: every use of x there is a matmul that autocast casts to its own dtype, and x·(fp32 round trip)
@@ -1515,14 +1539,17 @@ class DoraLinearVariant(_DoraVariantBase):
             # follows the tensor's dtype, and must match upstream's.
             x = module._cast_input_dtype(x, lora_A.weight.dtype)
         exact = dropped and dora_settings.current().dropout != "branch"
+        keep = None
         if dropped:
             x = dropout(x)  # once: everything below takes the dropped-out input
+            if exact and type(dora_layer) is DoraLinearLayer:
+                keep = _half_input_keep(source, x, dropout)
         if not dora_layer.training:  # an eval forward the layer has a record of: its three ops, few checks
             out = dora_layer.recorded_small_output(x, result, lora_A, lora_B, scaling, base_layer, active_adapter)
             if out is not None:
                 return out
         elif type(dora_layer) is DoraLinearLayer:  # a training forward the layer has a record of
-            out = dora_layer.recorded_training_output(x, result, lora_A, lora_B, scaling, base_layer, exact)
+            out = dora_layer.recorded_training_output(x, result, lora_A, lora_B, scaling, base_layer, exact, keep)
             if out is not None:
                 return out
         adapted_output, dropout_output = dora_layer.adapted_output, dora_layer.dropout_output
@@ -1546,8 +1573,43 @@ class DoraLinearVariant(_DoraVariantBase):
         # computed too
         return dropout_output(
             x, result, lora_A=lora_A, lora_B=lora_B, scaling=scaling, base_layer=base_layer,
-            adapter_name=active_adapter,
+            adapter_name=active_adapter, keep=keep,
         )  # fmt: skip
+
+
+def _half_input_keep(source: torch.Tensor, dropped: torch.Tensor, dropout: nn.Module) -> Optional[float]:
+    """``nn.Dropout``'s keep probability where ``dropped = dropout(x)`` of a bf16 layer input ``source`` cast to fp32
+    (PEFT's default fp32 adapters beside a bf16 model, without autocast), on a device where
+    :class:`dora_fused.DroppedHalfBase` computes ``W·dropped`` of a bf16 W in bf16 with an fp32 output; else None
+    (``W·dropped`` in fp32, as upstream: under autocast, torch.compile, another dropout module)."""
+    if source.dtype is not torch.bfloat16 or dropped.dtype is not torch.float32 or type(dropout) is not nn.Dropout:
+        return None
+    device_type = dropped.device.type
+    if device_type not in dora_fused.HALF_BASE_DEVICES or torch.is_autocast_enabled(device_type):
+        return None
+    keep = 1.0 - float(dropout.p)
+    if not 0.0 < keep < 1.0 or torch.compiler.is_compiling():
+        return None
+    return keep
+
+
+def _half_source(x: torch.Tensor, weight: torch.Tensor, keep: Optional[float]) -> Optional[torch.Tensor]:
+    """The bf16 ``mask·x`` of the dropped-out fp32 ``x`` (:func:`dora_fused.undo_dropout_scale`) where ``keep`` is
+    given (:func:`_half_input_keep`) and W is a frozen bf16 matrix (a plain tensor: not a wrapper subclass, whose
+    matmul is its own); else None."""
+    if keep is None or type(weight) not in (torch.Tensor, nn.Parameter) or weight.dtype is not torch.bfloat16:
+        return None
+    if weight.requires_grad or weight.dim() != 2:
+        return None
+    return dora_fused.undo_dropout_scale(x, keep, weight.dtype)
+
+
+def _dropped_base(x: torch.Tensor, weight: torch.Tensor, masked: Optional[torch.Tensor], keep) -> torch.Tensor:
+    """``W·x`` of the dropped-out ``x``: from its bf16 ``masked`` form (:func:`_half_source`) where given, else
+    ``F.linear``."""
+    if masked is None:
+        return F.linear(x, weight)
+    return dora_fused.dropped_half_base(x, masked, weight, keep)
 
 
 def _base_layer(module: nn.Module) -> nn.Module:

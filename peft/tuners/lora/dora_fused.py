@@ -811,6 +811,60 @@ linear_node = _node_apply(FusedDoRALinearFunction)
 """``FusedDoRALinearFunction.apply(result, a, weight_b, magnitude, base, consts)`` (see :func:`_node_apply`)."""
 
 
+# Devices where ``W·dropout(x)`` of a bf16 input takes :class:`DroppedHalfBase` (``torch.mm`` with an fp32 output is
+# CUDA's only; tests add "cpu" to run the same path on :func:`_wide_mm`'s fp32 twin).
+HALF_BASE_DEVICES = ("cuda",)
+
+
+def _wide_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a·b`` of two bf16 matrices, accumulated and returned in fp32: one bf16 GEMM with an fp32 output on CUDA;
+    elsewhere the same products (exact in fp32) of fp32 copies."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def undo_dropout_scale(dropped: torch.Tensor, keep: float, dtype: torch.dtype) -> torch.Tensor:
+    """``mask·x`` in ``dtype`` from ``dropped = dropout(x.float())`` (``nn.Dropout``: ``x·mask/keep`` in fp32) of an
+    input ``x`` of that dtype: ``dropped·keep`` is ``x`` within a few fp32 ulps, which rounds back to ``x`` itself
+    (far from a bf16 rounding boundary), or 0 where the mask dropped it. No gradient: :class:`DroppedHalfBase` gives
+    ``dropped`` its gradient."""
+    return torch.mul(dropped.detach(), keep, out=torch.empty_like(dropped, dtype=dtype, memory_format=_CONTIGUOUS))
+
+
+class DroppedHalfBase(torch.autograd.Function):
+    """``base = W·dropout(x)`` for LoRA dropout under upstream's semantics where ``x`` is a bf16 input cast to PEFT's
+    default fp32 adapters and W is bf16 (a bf16 model trained without autocast): upstream copies W to fp32 and runs
+    an fp32 GEMM in the forward and another in the backward, for every adapted Linear in every step. Here the
+    dropped-out input is taken back to bf16 exactly (``masked = mask·x``, :func:`undo_dropout_scale`), and
+    ``base = (W·masked)/keep`` is one bf16 GEMM with fp32 accumulation and output: the same products, exact in fp32,
+    summed in fp32, without the copy of W. The backward gives ``dropped`` ``d_base·W`` (``1/keep`` and ``keep``
+    cancel), one bf16 GEMM of the rounded ``d_base`` with an fp32 output: the input's gradient, which reaches the
+    bf16 layer input and is rounded there anyway. W takes no gradient here (the caller checks it is frozen)."""
+
+    @staticmethod
+    def forward(ctx, dropped, masked, weight, scale):
+        out = _wide_mm(masked.reshape(-1, masked.shape[-1]), weight.t())
+        out.mul_(scale)
+        ctx.save_for_backward(weight)
+        ctx.shape = dropped.shape
+        return out.view(*masked.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, d_base):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        (weight,) = ctx.saved_tensors
+        d = d_base.reshape(-1, d_base.shape[-1]).to(weight.dtype)
+        return _wide_mm(d, weight).view(ctx.shape), None, None, None
+
+
+def dropped_half_base(dropped, masked, weight, keep: float) -> torch.Tensor:
+    """``W·dropped`` by :class:`DroppedHalfBase`, ``masked`` from :func:`undo_dropout_scale` (``weight`` may be a
+    slice of W's rows)."""
+    return DroppedHalfBase.apply(dropped, masked, weight, 1.0 / keep)
+
+
 def _fused_backward(d_out, inner, g, scale, needs_lora_grad, needs_base_grad, needs_mag_grad):
     needs = (needs_lora_grad, needs_base_grad, needs_mag_grad)
     if not any(needs):

@@ -2129,3 +2129,129 @@ def training_record_steps(monkeypatch, model, d_in: int, d_out: int, dtype: torc
         check([True, True], "after " + label)
 
     return x, answered, step, check, settle, fresh
+
+
+def _dropout_layer(bias=True, p=0.25, d_in=48, d_out=40, r=6):
+    """A bf16 Linear with PEFT's default fp32 adapters and LoRA dropout ``p`` (upstream's semantics)."""
+    from torch import nn
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(target_modules=["0"], use_dora=True, init_lora_weights=False, r=r, lora_alpha=4, lora_dropout=p)
+    model = get_peft_model(nn.Sequential(nn.Linear(d_in, d_out, bias=bias)).to(torch.bfloat16), config)
+    layer = model.get_base_model()[0]
+    assert layer.lora_A["default"].weight.dtype == torch.float32
+    return layer
+
+
+@pytest.mark.parametrize("bias", (False, True))
+@pytest.mark.parametrize("fused", ("1", "0"))
+def test_dropout_of_a_bf16_input_beside_fp32_adapters_keeps_w_in_bf16(fused, bias, monkeypatch):
+    """LoRA dropout (upstream's semantics) on a bf16 model with fp32 adapters, without autocast: ``W·dropout(x)`` is
+    one bf16 matmul of the dropped-out input taken back to bf16, fp32 out (``dora_fused.DroppedHalfBase``; its fp32
+    twin here, as CUDA's fp32-output matmul is not on the CPU), not a copy of W in fp32 and an fp32 matmul; on the
+    one-node tier where the fused tiers run (the eager tier before), the composition where they do not. Against an
+    fp64 run of the same dropout mask the output and every gradient err at most as much as the fp32-W path's, within
+    1.25x (the input's gradient: the bf16 rounding of ``(g - 1)·d_y`` before its matmul, then of the input's own
+    gradient, which the fp32 path rounds once)."""
+    from dora_testing import dropout_reference_fp64, dropout_step, relative_error
+
+    from peft.tuners.lora import dora
+
+    layer = _dropout_layer(bias)
+    x = torch.randn(3, 11, 48, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    weights = torch.randn(40, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    monkeypatch.setenv("PEFT_DORA_FUSED", fused)
+    dora._invalidate_fused_cache()
+    runs = {}
+    for devices in (("cuda", "cpu"), ("cuda",)):
+        monkeypatch.setattr(F, "HALF_BASE_DEVICES", devices)
+        dora.tier_counts.clear()
+        runs[devices] = dropout_step(layer, x, weights)
+        runs[devices]["tiers"] = set(dora.tier_counts)
+    dora._invalidate_fused_cache()
+    new, old = runs[("cuda", "cpu")], runs[("cuda",)]
+    assert (new["half_bases"], old["half_bases"]) == (1, 0)
+    assert torch.equal(new["dropped"], old["dropped"])  # the same mask (seeded)
+    tier = dora.TIER_FUSED_BACKWARD if fused == "1" else dora.TIER_EAGER
+    assert new["tiers"] == {tier} and old["tiers"] == {dora.TIER_EAGER}
+    assert new["y"].dtype == new["dx"].dtype == torch.bfloat16
+    ref = dropout_reference_fp64(layer, x, new["dropped"], weights)
+    pairs = [(new["y"], old["y"], ref["y"]), (new["dx"], old["dx"], ref["dx"])]
+    pairs += [(new["grads"][n], old["grads"][n], ref["grads"][n]) for n in ref["grads"]]
+    for got, before, want in pairs:
+        assert got.dtype == before.dtype
+        assert relative_error(got, want) <= 1.25 * relative_error(before, want) + 1e-3
+
+
+def test_dropout_of_a_bf16_input_keeps_the_fp32_path_where_the_bf16_base_does_not_hold(monkeypatch):
+    """``W·dropout(x)`` stays an fp32 matmul of an fp32 copy of W (upstream's) where the bf16 path's premises fail:
+    a W that takes a gradient, a dropout module other than ``nn.Dropout`` itself (its scaling unknown), autocast
+    (the matmul is autocast's), fp32 activations (no bf16 input to take back)."""
+    from dora_testing import dropout_step
+    from torch import nn
+
+    layer = _dropout_layer()
+    x = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    weights = torch.randn(40, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    monkeypatch.setattr(F, "HALF_BASE_DEVICES", ("cuda", "cpu"))
+    assert dropout_step(layer, x, weights)["half_bases"] == 1
+
+    layer.base_layer.weight.requires_grad_(True)
+    assert dropout_step(layer, x, weights)["half_bases"] == 0
+    layer.base_layer.weight.requires_grad_(False)
+
+    class MyDropout(nn.Dropout):
+        pass
+
+    original = layer.lora_dropout["default"]
+    layer.lora_dropout["default"] = MyDropout(original.p)
+    assert dropout_step(layer, x, weights)["half_bases"] == 0
+    layer.lora_dropout["default"] = original
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert dropout_step(layer, x, weights)["half_bases"] == 0
+    layer.float()
+    assert dropout_step(layer, x.float(), weights)["half_bases"] == 0
+
+
+@pytest.mark.parametrize("p", (0.05, 0.1, 0.3, 0.5, 0.9))
+def test_undo_dropout_scale_gives_back_the_masked_bf16_input(p):
+    """``nn.Dropout``'s fp32 output of a bf16 input, times the keep probability and rounded to bf16, is the input
+    where the mask kept it, bit for bit, over bf16's normal range (``dora_fused.undo_dropout_scale``); the matmul
+    of :class:`dora_fused.DroppedHalfBase` then equals fp64's of the dropped-out input within fp32 rounding, and its
+    input gradient ``d_base·W`` within the bf16 rounding of ``d_base``."""
+    gen = torch.Generator().manual_seed(int(p * 100))
+    mantissa = torch.rand(4096, generator=gen) + 1.0
+    exponent = torch.randint(-120, 120, (4096,), generator=gen).float()
+    sign = torch.where(torch.rand(4096, generator=gen) < 0.5, -1.0, 1.0)
+    x = (sign * mantissa * torch.exp2(exponent)).to(torch.bfloat16)
+    x[:4] = torch.tensor([0.0, -0.0, 3.0e38, -1.0e-37])
+    x = x.view(64, 64)
+    dropout = torch.nn.Dropout(p)
+    torch.manual_seed(5)
+    dropped = dropout(x.float())
+    masked = F.undo_dropout_scale(dropped, 1.0 - p, torch.bfloat16)
+    assert masked.dtype == torch.bfloat16
+    # where 3e38 / keep overflowed fp32, upstream's dropped-out input holds inf too, and so does the bf16 one
+    want = torch.where(dropped != 0, x, torch.zeros_like(x)).masked_fill(dropped.isinf(), float("inf"))
+    assert torch.equal(masked, want)
+
+    weight = torch.randn(24, 64, generator=gen).to(torch.bfloat16)
+    act = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    torch.manual_seed(6)
+    drop = dropout(act.float()).requires_grad_()
+    out = F.dropped_half_base(drop, F.undo_dropout_scale(drop, 1.0 - p, torch.bfloat16), weight, 1.0 - p)
+    want = drop.detach().double() @ weight.double().T
+    assert out.dtype == torch.float32
+    assert_close(out.double(), want, dtype=torch.float32)
+    d_base = torch.randn(5, 24, generator=gen)
+    out.backward(d_base)
+    assert drop.grad.dtype == torch.float32
+    want_grad = d_base.double() @ weight.double()
+    assert relative_error_bf16(drop.grad, want_grad) < 2**-8
+
+
+def relative_error_bf16(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()

@@ -244,6 +244,45 @@ def test_fp32_adapters_beside_a_half_base_take_the_fused_tiers(half):
         assert_close(fused_eval, eager_eval, dtype=half)
 
 
+@pytest.mark.parametrize("fused", ("1", "0"))
+def test_dropout_of_a_bf16_input_beside_fp32_adapters_keeps_w_in_bf16(fused, monkeypatch):
+    """LoRA dropout (upstream's semantics) on a bf16 model with PEFT's default fp32 adapters, without autocast:
+    ``W·dropout(x)`` is one bf16 matmul with an fp32 output (``torch.mm(..., out_dtype=torch.float32)``) of the
+    dropped-out input taken back to bf16 (``dora_fused.DroppedHalfBase``), not an fp32 copy of W and an fp32 matmul:
+    on the one-node tier where the fused tiers run, else the composition. Against fp64 of the same dropout mask the
+    output and every gradient err at most 1.25x as much as the fp32 path's (+ a small floor)."""
+    from dora_testing import dropout_reference_fp64, dropout_step, relative_error
+
+    torch.manual_seed(7)
+    base = nn.Sequential(nn.Linear(640, 1000)).to("cuda", torch.bfloat16)
+    config = LoraConfig(r=16, lora_alpha=32, target_modules=["0"], use_dora=True, init_lora_weights=False,
+                        lora_dropout=0.1)  # fmt: skip
+    layer = get_peft_model(base, config).get_base_model()[0]
+    assert layer.lora_A["default"].weight.dtype == torch.float32
+    x = torch.randn(4, 77, 640, device="cuda").to(torch.bfloat16)
+    weights = torch.randn(1000, device="cuda", dtype=torch.float64)
+    monkeypatch.setenv("PEFT_DORA_FUSED", fused)
+    dora._invalidate_fused_cache()
+    runs = {}
+    for devices in (("cuda",), ()):
+        monkeypatch.setattr(F, "HALF_BASE_DEVICES", devices)
+        dora.tier_counts.clear()
+        runs[devices] = dropout_step(layer, x, weights)
+        runs[devices]["tiers"] = set(dora.tier_counts)
+    dora._invalidate_fused_cache()
+    new, old = runs[("cuda",)], runs[()]
+    assert (new["half_bases"], old["half_bases"]) == (1, 0) and torch.equal(new["dropped"], old["dropped"])
+    assert new["tiers"] == {dora.TIER_FUSED_BACKWARD if fused == "1" else dora.TIER_EAGER}
+    assert new["y"].dtype == new["dx"].dtype == torch.bfloat16
+    ref = dropout_reference_fp64(layer, x, new["dropped"], weights)
+    pairs = [("y", new["y"], old["y"], ref["y"]), ("dx", new["dx"], old["dx"], ref["dx"])]
+    pairs += [(n, new["grads"][n], old["grads"][n], ref["grads"][n]) for n in ref["grads"]]
+    for name, got, before, want in pairs:
+        assert got.dtype == before.dtype
+        err, old_err = relative_error(got, want), relative_error(before, want)
+        assert err <= 1.25 * old_err + 1e-3, (name, err, old_err)
+
+
 def _graph_breaks(module, x):
     torch._dynamo.reset()
     return torch._dynamo.explain(module)(x).graph_break_count
