@@ -1587,6 +1587,8 @@ def _half_input_keep(source: torch.Tensor, dropped: torch.Tensor, dropout: nn.Mo
     device_type = dropped.device.type
     if device_type not in dora_fused.HALF_BASE_DEVICES or torch.is_autocast_enabled(device_type):
         return None
+    if not dora_fused.WIDE_MM:
+        return None
     keep = 1.0 - float(dropout.p)
     if not 0.0 < keep < 1.0 or torch.compiler.is_compiling():
         return None

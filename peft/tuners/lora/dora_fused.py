@@ -815,6 +815,10 @@ linear_node = _node_apply(FusedDoRALinearFunction)
 # CUDA's only; tests add "cpu" to run the same path on :func:`_wide_mm`'s fp32 twin).
 HALF_BASE_DEVICES = ("cuda",)
 
+# ``torch.mm(..., out_dtype=torch.float32)`` of bf16 operands (``aten::mm.dtype``), which older PyTorch lacks: there the
+# fp32 copy of W stays
+WIDE_MM = "dtype" in torch.ops.aten.mm.overloads()
+
 
 def _wide_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a·b`` of two bf16 matrices, accumulated and returned in fp32: one bf16 GEMM with an fp32 output on CUDA;

@@ -2187,8 +2187,9 @@ def test_dropout_of_a_bf16_input_beside_fp32_adapters_keeps_w_in_bf16(fused, bia
 
 def test_dropout_of_a_bf16_input_keeps_the_fp32_path_where_the_bf16_base_does_not_hold(monkeypatch):
     """``W·dropout(x)`` stays an fp32 matmul of an fp32 copy of W (upstream's) where the bf16 path's premises fail:
-    a W that takes a gradient, a dropout module other than ``nn.Dropout`` itself (its scaling unknown), autocast
-    (the matmul is autocast's), fp32 activations (no bf16 input to take back)."""
+    a W that takes a gradient, a dropout module other than ``nn.Dropout`` itself (its scaling unknown), a PyTorch
+    without ``torch.mm``'s fp32 output, autocast (the matmul is autocast's), fp32 activations (no bf16 input to take
+    back)."""
     from dora_testing import dropout_step
     from torch import nn
 
@@ -2209,6 +2210,10 @@ def test_dropout_of_a_bf16_input_keeps_the_fp32_path_where_the_bf16_base_does_no
     layer.lora_dropout["default"] = MyDropout(original.p)
     assert dropout_step(layer, x, weights)["half_bases"] == 0
     layer.lora_dropout["default"] = original
+
+    monkeypatch.setattr(F, "WIDE_MM", False)
+    assert dropout_step(layer, x, weights)["half_bases"] == 0
+    monkeypatch.setattr(F, "WIDE_MM", True)
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert dropout_step(layer, x, weights)["half_bases"] == 0
