@@ -428,6 +428,12 @@ class DoraLinearLayer(nn.Module):
         weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
         if not norm_operand(weight_norm, magnitude):
             return None
+        dropped = x
+        if autocast and not quantized and x.dtype != branch_dtype:
+            # autocast would cast the dropped-out x to its dtype for each of the two matmuls, and each cast's backward
+            # widen its gradient: once here, the same forward bits (the two matmuls' input gradients then sum in the
+            # compute dtype, as for any tensor two matmuls read)
+            x = x.to(branch_dtype)
         a = F.linear(x, weight_a)
         stride = branch_node_stride(a, result, weight_b, magnitude, None)
         if stride is None:
@@ -442,8 +448,8 @@ class DoraLinearLayer(nn.Module):
         consts = (weight_norm, None, float(scaling), eps, stride, None)
         if stride == result.shape[-1]:
             bias = _own_param(base_layer, "bias") if type(base_layer) is nn.Linear else base_layer.bias
-            self._keep_train_record(x, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling, eps,
-                                    exact=True)  # fmt: skip
+            self._keep_train_record(dropped, result, base_layer, weight, weight_a, weight_b, magnitude, bias, scaling,
+                                    eps, exact=True)  # fmt: skip
         return dora_fused.linear_node(result, a, weight_b, magnitude, base, consts)
 
     def _traced_output(self, x, result, weight, weight_a, weight_b, magnitude, bias, scaling, adapter_name):
@@ -998,6 +1004,9 @@ class DoraLinearLayer(nn.Module):
             norm = kept.norm.answer(weight, weight_a, weight_b, kept.scale, 1, True)
         if norm is None or not norm_operand(norm, magnitude):
             return None
+        autocast = kept.state[4]
+        if exact and grad_mode and kept.kind is None and autocast and x.dtype != autocast:
+            x = x.to(autocast)  # as the dropout node casts it: once for both matmuls
         a = F.linear(x, weight_a)
         width = result.shape[-1]
         bias = tensors[sources + 3] if len(tensors) > sources + 3 else None

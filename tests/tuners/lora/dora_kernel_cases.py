@@ -1702,6 +1702,40 @@ def test_dropout_node_matches_the_composition(mode, bias, checkpointed, monkeypa
             assert _rel_err(got, ref) <= 1.25 * _rel_err(sep, ref) + 1e-5
 
 
+@pytest.mark.parametrize("checkpointed", (False, True))
+def test_dropout_node_under_autocast_casts_the_dropped_out_input_once(checkpointed, monkeypatch):
+    """Under autocast the dropout node's two matmuls (``x·Aᵀ`` and ``W·x``) read the dropped-out input in autocast's
+    dtype from one cast of it (autocast casts it for each matmul, and each cast's backward widens its gradient), in
+    the node's forward and in its training record's, checkpoint recompute included: one cast per forward, where the
+    composition (the eager tier, upstream's route) makes two."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from peft.tuners.lora import dora
+
+    model = _dropout_model(False)
+    x = torch.randn(4, 9, 24, generator=torch.Generator().manual_seed(1))
+    dropped = []
+    for layer in (model.base_model.model[0], model.base_model.model[1]):
+        layer.lora_dropout["default"].register_forward_hook(lambda m, i, out: dropped.append(out))
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and any(args[0] is d for d in dropped):
+                casts.append(args[0])
+            return func(*args, **(kwargs or {}))
+
+    for fused, per_forward in (("1", 1), ("0", 2)):
+        monkeypatch.setenv("PEFT_DORA_FUSED", fused)
+        dora._invalidate_fused_cache()
+        for _ in range(2):  # the full path, then the layers' training records
+            casts, dropped[:] = [], []
+            with Casts():
+                _branch_step(model, x, "autocast", True, monkeypatch, checkpointed=checkpointed)
+            assert len(dropped) == (4 if checkpointed else 2)
+            assert len(casts) == per_forward * len(dropped), fused
+    dora._invalidate_fused_cache()
+
+
 def test_interpreter_converts_to_bf16_by_truncation():
     """Why the bf16 comparisons above stop at a bound: the interpreter's fp32 -> bf16 store truncates (CUDA rounds to
     nearest); if a Triton release changes this, they can compare with the composition's error instead."""
