@@ -418,12 +418,12 @@ class DoraLinearLayer(nn.Module):
         autocast = torch.is_autocast_enabled(x.device.type)
         branch_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
         dense = None if quantized else _oriented(weight, self.fan_in_fan_out)
-        masked = None if dense is None else _half_source(x, dense, keep)
+        half = dense is not None and _half_base(dense, keep)
         if result.dtype != branch_dtype and not (
-            wider_result(result.dtype, branch_dtype) or (masked is not None and wider_branch(result.dtype, x.dtype))
+            wider_result(result.dtype, branch_dtype) or (half and wider_branch(result.dtype, x.dtype))
         ):  # fmt: skip
             return None  # e.g. fp32 adapters beside a bf16 result without autocast: nothing computed in vain
-        if dense is not None and dense.dtype != x.dtype and not autocast and masked is None:
+        if dense is not None and dense.dtype != x.dtype and not autocast and not half:
             return None  # W·x would need a cast of W (the composition's path makes it)
         weight_norm = self._forward_norm(weight, weight_a, weight_b, scaling, adapter_name)
         if not norm_operand(weight_norm, magnitude):
@@ -440,7 +440,7 @@ class DoraLinearLayer(nn.Module):
             return None
         # bias-free (the bias is in result once); a quantized W dequantized for the matmul and again in the backward,
         # never kept between them (dora_quant.base_output)
-        base = dora_quant.base_output(weight, x) if quantized else _dropped_base(x, dense, masked, keep)
+        base = dora_quant.base_output(weight, x) if quantized else _dropped_base(x, dense, keep if half else None)
         if base.shape != result.shape or base.dtype not in KERNEL_DTYPES or not base.is_contiguous():
             return None
         record(self, TIER_FUSED_BACKWARD)
@@ -501,19 +501,21 @@ class DoraLinearLayer(nn.Module):
     def _base_chunks(self, x, weight, lora_result, g, scaling, keep=None) -> torch.Tensor:
         """Dropout path: ``base = W·dropout(x)`` computed and composed in output slices of PEFT_DORA_FWD_CHUNK_MB."""
         weight = _oriented(weight, self.fan_in_fan_out)
-        masked = _half_source(x, weight, keep)
-        if masked is None and weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+        if not _half_base(weight, keep):
+            keep = None
+        if keep is None and weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             # autocast runs the matmul in its own dtype: a cast here would copy W to x's (fp32) dtype every forward
             weight = weight.to(x.dtype)
         d_out = weight.shape[0]
         row_bytes = max(1, lora_result.numel() // max(d_out, 1)) * lora_result.element_size()
         step = max(1, (dora_settings.current().fwd_chunk_mb * dora_settings.MB) // row_bytes)
         if step >= d_out:
-            return self._compose(lora_result, _dropped_base(x, weight, masked, keep), g, scaling)
+            return self._compose(lora_result, _dropped_base(x, weight, keep), g, scaling)
+        masked = None if keep is None else dora_fused.undo_dropout_scale(x, keep, weight.dtype)  # once for all slices
         parts = [
             self._compose(
                 lora_result[..., c : c + step],
-                _dropped_base(x, weight[c : c + step], masked, keep),
+                _dropped_base(x, weight[c : c + step], keep, masked),
                 g[c : c + step],
                 scaling,
             )  # fmt: skip
@@ -1021,10 +1023,11 @@ class DoraLinearLayer(nn.Module):
             if kept.kind is not None:
                 base = dora_quant.base_output(weight, x)
             else:
-                masked = _half_source(x, weight, keep)
-                if masked is None and weight.dtype != x.dtype and not kept.state[4]:
+                if not _half_base(weight, keep):
+                    keep = None
+                if keep is None and weight.dtype != x.dtype and not autocast:
                     return None  # without autocast the dropout node declines a cast of W
-                base = _dropped_base(x, weight, masked, keep)
+                base = _dropped_base(x, weight, keep)
             if not base.is_contiguous():
                 return None
             record(self, TIER_FUSED_BACKWARD)
@@ -1604,22 +1607,22 @@ def _half_input_keep(source: torch.Tensor, dropped: torch.Tensor, dropout: nn.Mo
     return keep
 
 
-def _half_source(x: torch.Tensor, weight: torch.Tensor, keep: Optional[float]) -> Optional[torch.Tensor]:
-    """The bf16 ``mask·x`` of the dropped-out fp32 ``x`` (:func:`dora_fused.undo_dropout_scale`) where ``keep`` is
-    given (:func:`_half_input_keep`) and W is a frozen bf16 matrix (a plain tensor: not a wrapper subclass, whose
-    matmul is its own); else None."""
+def _half_base(weight: torch.Tensor, keep: Optional[float]) -> bool:
+    """Whether ``W·x`` of the dropped-out fp32 ``x`` takes :class:`dora_fused.DroppedHalfBase`: ``keep`` given
+    (:func:`_half_input_keep`) and W a frozen bf16 matrix (a plain tensor: not a wrapper subclass, whose matmul is
+    its own)."""
     if keep is None or type(weight) not in (torch.Tensor, nn.Parameter) or weight.dtype is not torch.bfloat16:
-        return None
-    if weight.requires_grad or weight.dim() != 2:
-        return None
-    return dora_fused.undo_dropout_scale(x, keep, weight.dtype)
+        return False
+    return not weight.requires_grad and weight.dim() == 2
 
 
-def _dropped_base(x: torch.Tensor, weight: torch.Tensor, masked: Optional[torch.Tensor], keep) -> torch.Tensor:
-    """``W·x`` of the dropped-out ``x``: from its bf16 ``masked`` form (:func:`_half_source`) where given, else
-    ``F.linear``."""
-    if masked is None:
+def _dropped_base(x: torch.Tensor, weight: torch.Tensor, keep: Optional[float], masked=None) -> torch.Tensor:
+    """``W·x`` of the dropped-out ``x``: ``F.linear`` where ``keep`` is None, else from the bf16 ``mask·x``
+    (``masked``, made here where not given) where :func:`_half_base` holds."""
+    if keep is None:
         return F.linear(x, weight)
+    if masked is None:
+        masked = dora_fused.undo_dropout_scale(x, keep, weight.dtype)
     return dora_fused.dropped_half_base(x, masked, weight, keep)
 
 
