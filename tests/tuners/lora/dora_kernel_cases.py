@@ -9,6 +9,7 @@ import contextlib
 import pytest
 import torch
 from dora_testing import StandInNormGraph, assert_close
+from dora_testing import relative_error as _rel_err
 
 from peft.tuners.lora import dora_dispatch as dispatch
 from peft.tuners.lora import dora_fused as F
@@ -1458,10 +1459,6 @@ def _fp64_step(model, x, d_y, monkeypatch):
     return _branch_step(copy.deepcopy(model).double(), x.double(), "fp64", False, monkeypatch, d_y.double())
 
 
-def _rel_err(a, b):
-    return ((a.double() - b).norm() / b.norm()).item()
-
-
 @pytest.mark.parametrize("scaled_grad", (False, True))
 @pytest.mark.parametrize("checkpointed", (False, True))
 @pytest.mark.parametrize("bias", (False, True))
@@ -2189,7 +2186,7 @@ def test_dropout_of_a_bf16_input_beside_fp32_adapters_keeps_w_in_bf16(fused, bia
     fp64 run of the same dropout mask the output and every gradient err at most as much as the fp32-W path's, within
     1.25x (the input's gradient: the bf16 rounding of ``(g - 1)·d_y`` before its matmul, then of the input's own
     gradient, which the fp32 path rounds once)."""
-    from dora_testing import dropout_reference_fp64, dropout_step, relative_error
+    from dora_testing import dropout_reference_fp64, dropout_step
 
     from peft.tuners.lora import dora
 
@@ -2216,7 +2213,7 @@ def test_dropout_of_a_bf16_input_beside_fp32_adapters_keeps_w_in_bf16(fused, bia
     pairs += [(new["grads"][n], old["grads"][n], ref["grads"][n]) for n in ref["grads"]]
     for got, before, want in pairs:
         assert got.dtype == before.dtype
-        assert relative_error(got, want) <= 1.25 * relative_error(before, want) + 1e-3
+        assert _rel_err(got, want) <= 1.25 * _rel_err(before, want) + 1e-3
 
 
 def test_dropout_of_a_bf16_input_keeps_the_fp32_path_where_the_bf16_base_does_not_hold(monkeypatch):
@@ -2289,8 +2286,4 @@ def test_undo_dropout_scale_gives_back_the_masked_bf16_input(p):
     out.backward(d_base)
     assert drop.grad.dtype == torch.float32
     want_grad = d_base.double() @ weight.double()
-    assert relative_error_bf16(drop.grad, want_grad) < 2**-8
-
-
-def relative_error_bf16(got, want):
-    return ((got.double() - want).norm() / want.norm()).item()
+    assert _rel_err(drop.grad, want_grad) < 2**-8
